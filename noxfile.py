@@ -1,0 +1,57 @@
+"""Developer and CI sessions: tests, lint, docs, wheels.
+
+The test path installs the CPU build of PyTorch through constraints-cpu.txt; the libraries'
+own metadata only ask for torch>=2.1.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+DISTRIBUTIONS = ("speedtronic-core", "speedtronic-models", "speedtronic-diloco",
+                 "speedtronic-logging")
+CONSTRAINTS = ("-c", str(ROOT / "constraints-cpu.txt"))
+
+nox.options.sessions = ["tests", "lint", "docs"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+def install_all(session: nox.Session) -> None:
+    session.install(*CONSTRAINTS, "torch")
+    editable = [arg for dist in DISTRIBUTIONS for arg in ("-e", str(ROOT / dist))]
+    session.install(*CONSTRAINTS, *editable, "speedtronic-logging[all] @ " + (ROOT / "speedtronic-logging").as_uri())
+    session.install(*CONSTRAINTS, "-r", str(ROOT / "requirements-test.txt"))
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Install the four distributions (CPU torch) and run the test suite."""
+    install_all(session)
+    session.run("pytest", *(session.posargs or ["-q"]))
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check + ruff format --check over the whole repository."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build docs/ with mkdocs in strict mode (the config reference is checked by a test)."""
+    session.install("mkdocs>=1.5")
+    session.run("mkdocs", "build", "--strict", "--site-dir", str(ROOT / "site"))
+
+
+@nox.session
+def wheels(session: nox.Session) -> None:
+    """Build a wheel of every distribution, each on its own, into dist/."""
+    session.install("build")
+    for dist in DISTRIBUTIONS:
+        session.run("python", "-m", "build", "--wheel", "--outdir", str(ROOT / "dist"),
+                    str(ROOT / dist))

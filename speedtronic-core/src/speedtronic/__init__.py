@@ -1,0 +1,64 @@
+"""Speedtronic: a fast, honest PyTorch training loop with a plugin system.
+
+Be fast, be efficient.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from speedtronic.config import SpeedtronicConfig
+from speedtronic.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    PluginError,
+    SpeedtronicError,
+    TransportError,
+)
+from speedtronic.hookspecs import hookimpl
+from speedtronic.registry import build_model_from_hook as build_model
+from speedtronic.registry import register_model
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "DataError",
+    "PluginError",
+    "SpeedtronicConfig",
+    "SpeedtronicError",
+    "TransportError",
+    "__version__",
+    "build_model",
+    "hookimpl",
+    "register_model",
+]
+
+# Seed-era names that now live in speedtronic-diloco; resolved only when touched.
+_DILOCO_NAMES = ("DumbDiLoCoCoordinator", "DumbDiLoCo", "SyncResult", "DistributedConfig")
+# Heavier core names, imported on first use so `import speedtronic` stays light.
+_CORE_LAZY = {
+    "Trainer": "speedtronic.trainer",
+    "TrainResult": "speedtronic.trainer",
+    "MetricLogger": "speedtronic.metrics",
+    "train_from_config": "speedtronic.runtime",
+    "build_runtime": "speedtronic.runtime",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _DILOCO_NAMES:
+        from speedtronic._lazy import import_plugin_attr
+
+        return import_plugin_attr("speedtronic_diloco", name, "speedtronic-diloco")
+    if name == "distributed":
+        import importlib
+
+        return importlib.import_module("speedtronic.distributed")
+    if name in _CORE_LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_CORE_LAZY[name]), name)
+    raise AttributeError(f"module 'speedtronic' has no attribute {name!r}")

@@ -1,0 +1,7 @@
+"""``python -m speedtronic``."""
+
+import sys
+
+from speedtronic.cli import main
+
+sys.exit(main())

@@ -1,0 +1,475 @@
+"""``SpeedtronicConfig``: one strict config per run, from YAML, JSON, a string or a dict.
+
+Core owns the sections below; plugins contribute more through the ``config_sections`` hook
+(``distributed`` comes from speedtronic-diloco). Unknown keys fail with their dotted path, and a
+section that an uninstalled first-party distribution would provide says what to install.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from speedtronic.errors import ConfigError, PluginError
+from speedtronic.schema import (
+    REDACTED,
+    Section,
+    build_section,
+    option,
+    section_to_dict,
+    unknown_key_error,
+)
+
+__all__ = [
+    "CheckpointConfig",
+    "CompileConfig",
+    "DataConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "MuonConfig",
+    "OptimizerConfig",
+    "PrecisionConfig",
+    "RunConfig",
+    "SchedulerConfig",
+    "SpeedtronicConfig",
+]
+
+
+@dataclass
+class RunConfig(Section):
+    name: str = option("speedtronic", help="Run name, used in logs and metric sinks.")
+    seed: int = option(0, help="Seed for Python, NumPy, torch and the synthetic data stream.")
+    device: Literal["auto", "cpu", "cuda", "mps"] = option(
+        "auto", help="Where to train; `auto` picks CUDA, then MPS, then CPU."
+    )
+    max_steps: int = option(
+        100, ge=1, help="Global optimizer-step target; a resumed run continues up to it."
+    )
+    output_dir: str = option("runs/speedtronic", help="Directory for checkpoints and logs.")
+
+
+@dataclass
+class ModelConfig:
+    """The ``model`` section: a registered ``name`` plus free parameters for its factory."""
+
+    name: str = "reference_transformer"
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_mapping(cls, data: Any) -> ModelConfig:
+        if data is None:
+            data = {}
+        if isinstance(data, ModelConfig):
+            return data
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"expected a mapping, got {type(data).__name__}", "model")
+        params = dict(data)
+        name = params.pop("name", cls.name)
+        if not isinstance(name, str) or not name:
+            raise ConfigError("must be a non-empty string", "model.name")
+        nested = params.pop("params", None)
+        if isinstance(nested, Mapping):
+            params = {**dict(nested), **params}
+        return cls(name=name, params=params)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, **self.params}
+
+
+@dataclass
+class DataConfig(Section):
+    micro_batch_size: int = option(8, ge=1, help="Samples per forward/backward pass.")
+    target_batch_size: int | None = option(
+        None,
+        ge=1,
+        help="Samples per optimizer step; a multiple of micro_batch_size. Accumulation steps "
+        "are target / micro. Defaults to micro_batch_size (no accumulation).",
+    )
+    text_path: str | None = option(
+        None, help="UTF-8 text file streamed in fixed-size token blocks; unset = synthetic data."
+    )
+    seq_len: int | None = option(
+        None, ge=1, help="Tokens per sample; defaults to the model's `max_seq_len`."
+    )
+    vocab_size: int | None = option(
+        None, ge=2, help="Token id range of the synthetic stream; defaults to the model's."
+    )
+    seed: int | None = option(
+        None, help="Data-stream seed; defaults to `run.seed`. Plugins may offset it per node."
+    )
+    num_workers: int = option(0, ge=0, help="DataLoader worker processes.")
+    prefetch_factor: int | None = option(
+        None, ge=1, help="Batches prefetched per worker (only with num_workers > 0)."
+    )
+    pin_memory: bool = option(False, help="Pin host memory for faster CUDA copies.")
+    shuffle: bool = option(False, help="Shuffle a map-style dataset (streams ignore it).")
+
+    def validate(self) -> None:
+        target = self.target_batch_size
+        if target is not None and target % self.micro_batch_size:
+            raise ConfigError(
+                f"must be a multiple of micro_batch_size ({self.micro_batch_size}), got {target}",
+                "target_batch_size",
+            )
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step."""
+        return (self.target_batch_size or self.micro_batch_size) // self.micro_batch_size
+
+
+@dataclass
+class MuonConfig(Section):
+    lr: float = option(0.02, gt=0, help="Learning rate of the Muon parameter group.")
+    momentum: float = option(0.95, ge=0, lt=1, help="Muon momentum.")
+    nesterov: bool = option(True, help="Nesterov momentum inside Muon.")
+    ns_steps: int = option(5, ge=1, help="Newton-Schulz iterations for orthogonalisation.")
+    weight_decay: float = option(0.0, ge=0, help="Decoupled weight decay of the Muon group.")
+    adjust_lr_fn: Literal["original", "match_rms_adamw"] | None = option(
+        None, help="How torch.optim.Muon scales the lr by matrix shape (torch's default if null)."
+    )
+
+
+@dataclass
+class OptimizerConfig(Section):
+    name: Literal["adamw", "muon"] = option(
+        "adamw", help="`adamw`, or `muon` (Muon on hidden matrices, AdamW on the rest)."
+    )
+    lr: float = option(3e-4, gt=0, help="Peak learning rate (of the AdamW group).")
+    betas: tuple[float, float] = option((0.9, 0.95), help="AdamW betas.")
+    eps: float = option(1e-8, gt=0, help="AdamW epsilon.")
+    weight_decay: float = option(0.1, ge=0, help="Decoupled weight decay.")
+    decay_norms_and_biases: bool = option(
+        False,
+        help="Also decay 1-D parameters (norm weights, biases) and embeddings; by default only "
+        "weight matrices decay.",
+    )
+    fused: bool | None = option(
+        None, help="Fused AdamW: null = use it when it constructs on CUDA, false = never."
+    )
+    grad_clip: float | None = option(1.0, gt=0, help="Max global grad norm; null disables.")
+    cautious: bool = option(
+        False, help="Cautious masking around the base optimizer (Liang et al., 2024)."
+    )
+    muon: MuonConfig = option(default_factory=MuonConfig, help="Muon group settings.")
+
+    def validate(self) -> None:
+        for i, beta in enumerate(self.betas):
+            if not 0 <= beta < 1:
+                raise ConfigError(f"each beta must be in [0, 1), got {beta}", f"betas[{i}]")
+
+
+@dataclass
+class SchedulerConfig(Section):
+    name: Literal["cosine", "constant"] = option("cosine", help="Learning-rate schedule.")
+    warmup_steps: int = option(0, ge=0, help="Linear warmup steps from 0 to the peak lr.")
+    min_lr_ratio: float = option(0.1, ge=0, le=1, help="Cosine floor as a fraction of peak lr.")
+    total_steps: int | None = option(
+        None, ge=1, help="Schedule horizon; defaults to `run.max_steps`."
+    )
+
+
+@dataclass
+class PrecisionConfig(Section):
+    mode: Literal["auto", "bf16", "fp16", "fp32"] = option(
+        "auto",
+        help="`auto`: bf16 on capable CUDA, fp16 + GradScaler on other CUDA, fp32 on CPU/MPS.",
+    )
+
+
+@dataclass
+class CompileConfig(Section):
+    enabled: bool = option(False, help="Wrap the model with torch.compile.")
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = (
+        option("default", help="torch.compile mode.")
+    )
+    fullgraph: bool = option(False, help="Require a single graph (torch.compile fullgraph).")
+    dynamic: bool | None = option(None, help="torch.compile dynamic shapes (null = auto).")
+
+
+@dataclass
+class CheckpointConfig(Section):
+    directory: str | None = option(
+        None, help="Checkpoint directory; defaults to `<run.output_dir>/checkpoints`."
+    )
+    interval: int = option(0, ge=0, help="Save every N optimizer steps; 0 = only the final one.")
+    keep_last: int = option(3, ge=1, help="How many complete checkpoints to keep.")
+    resume: bool = option(
+        False, help="Resume from the newest usable checkpoint; start fresh if there is none."
+    )
+    allow_fresh_start: bool = option(
+        False,
+        help="With resume: start from scratch even if checkpoints exist but none is usable "
+        "(otherwise that is an error).",
+    )
+    save_final: bool = option(True, help="Save at the end of a successful fit.")
+
+
+@dataclass
+class LoggingConfig(Section):
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = option(
+        "INFO", help="Log level of the `speedtronic` loggers."
+    )
+    file: str | None = option(None, help="Append human-readable metric lines to this file.")
+    json_file: str | None = option(None, help="Append one JSON object per metric event here.")
+    log_every: int = option(10, ge=1, help="Read the loss and emit a `step` event every N steps.")
+    hooks: list[str] = option(
+        default_factory=list,
+        help="Extra metric hooks as `module:attribute` import paths: callables "
+        "`(event, payload)` or objects with `on_event`.",
+    )
+    progress: bool = option(True, help="Show a rich progress bar when stdout is a terminal.")
+
+
+CORE_SECTIONS: dict[str, type] = {
+    "run": RunConfig,
+    "data": DataConfig,
+    "optimizer": OptimizerConfig,
+    "scheduler": SchedulerConfig,
+    "precision": PrecisionConfig,
+    "compile": CompileConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+}
+TOP_LEVEL_KEYS = ("model", "gradient_checkpointing")
+RUN_ALIASES = ("name", "max_steps", "output_dir", "seed", "device")
+
+
+def plugin_sections() -> dict[str, type]:
+    """Config sections contributed by the loaded plugins (name -> dataclass)."""
+    from speedtronic.plugins import get_plugin_manager
+
+    sections: dict[str, type] = {}
+    for contributed in get_plugin_manager().hook.config_sections():
+        for name, cls in (contributed or {}).items():
+            if name in CORE_SECTIONS or name in TOP_LEVEL_KEYS or name in RUN_ALIASES:
+                raise PluginError(f"a plugin tried to redefine core config section {name!r}")
+            if name in sections and sections[name] is not cls:
+                raise PluginError(f"two plugins contribute config section {name!r}")
+            sections[name] = cls
+    return sections
+
+
+@dataclass
+class SpeedtronicConfig:
+    """The validated configuration of one run."""
+
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
+    compile: CompileConfig = dataclasses.field(default_factory=CompileConfig)
+    gradient_checkpointing: bool = False
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    plugins: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Sections contributed by plugins, by name; also reachable as attributes."""
+
+    def __getattr__(self, name: str) -> Any:
+        plugins = self.__dict__.get("plugins", {})
+        if name in plugins:
+            return plugins[name]
+        raise AttributeError(
+            f"SpeedtronicConfig has no section {name!r}"
+            + _provider_hint(name, in_config=False)
+        )
+
+    # ----------------------------------------------------------------- loading
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SpeedtronicConfig:
+        """Validate a root mapping (aliases, core sections, plugin sections)."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"the config root must be a mapping, got {type(data).__name__}")
+        data = dict(data)
+        run = dict(data.pop("run", None) or {})
+        for alias in RUN_ALIASES:
+            if alias in data:
+                if alias in run:
+                    raise ConfigError(f"given both as `{alias}` and `run.{alias}`", alias)
+                run[alias] = data.pop(alias)
+        extra = plugin_sections()
+        known = [*CORE_SECTIONS, *TOP_LEVEL_KEYS, *RUN_ALIASES, *extra]
+        for key in data:
+            if key not in known:
+                raise unknown_key_error(str(key), known, "", _provider_hint(str(key)))
+        kwargs: dict[str, Any] = {"run": build_section(RunConfig, run, "run")}
+        for name, section_cls in CORE_SECTIONS.items():
+            if name != "run":
+                kwargs[name] = build_section(section_cls, data.get(name), name)
+        kwargs["model"] = ModelConfig.from_mapping(data.get("model"))
+        try:
+            from speedtronic.schema import coerce
+
+            kwargs["gradient_checkpointing"] = coerce(data.get("gradient_checkpointing", False), bool)
+        except ConfigError as exc:
+            raise exc.under("gradient_checkpointing") from None
+        kwargs["plugins"] = {
+            name: build_section(section_cls, data.get(name), name)
+            for name, section_cls in extra.items()
+        }
+        return cls(**kwargs)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> SpeedtronicConfig:
+        """Load a YAML file."""
+        return cls.from_dict(_read_mapping(Path(path), yaml_ok=True))
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike[str]) -> SpeedtronicConfig:
+        """Load a JSON file."""
+        return cls.from_dict(_read_mapping(Path(path), yaml_ok=False))
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> SpeedtronicConfig:
+        """Load a ``.json`` file as JSON and anything else as YAML."""
+        path = Path(path)
+        return cls.from_dict(_read_mapping(path, yaml_ok=path.suffix.lower() != ".json"))
+
+    @classmethod
+    def from_string(cls, text: str) -> SpeedtronicConfig:
+        """Load a YAML or JSON document given as a string."""
+        return cls.from_dict(_parse(text, "<string>", yaml_ok=True))
+
+    @classmethod
+    def load(cls, source: Any) -> SpeedtronicConfig:
+        """Accept a config, a mapping, a path, or a YAML/JSON string."""
+        if isinstance(source, SpeedtronicConfig):
+            return source
+        if isinstance(source, Mapping):
+            return cls.from_dict(source)
+        if isinstance(source, os.PathLike):
+            return cls.from_file(source)
+        if isinstance(source, str):
+            stripped = source.strip()
+            if "\n" in stripped or stripped.startswith(("{", "[")) or ":" in stripped:
+                if not Path(stripped).exists():
+                    return cls.from_string(source)
+            return cls.from_file(stripped)
+        raise ConfigError(f"cannot load a config from {type(source).__name__}")
+
+    def with_overrides(self, overrides: list[str] | Mapping[str, Any]) -> SpeedtronicConfig:
+        """A new config with dotted ``key=value`` overrides applied (values parsed as YAML)."""
+        data = self.to_dict()
+        items = overrides.items() if isinstance(overrides, Mapping) else _split_overrides(overrides)
+        for dotted, value in items:
+            _set_dotted(data, dotted, value)
+        return SpeedtronicConfig.from_dict(data)
+
+    # ----------------------------------------------------------------- output
+    def to_dict(self, redact: bool = False) -> dict[str, Any]:
+        """The config as plain data. ``redact=True`` replaces secrets with ``<redacted>``."""
+        out: dict[str, Any] = {"run": section_to_dict(self.run, redact)}
+        out["model"] = self.model.to_dict()
+        for name in CORE_SECTIONS:
+            if name != "run":
+                out[name] = section_to_dict(getattr(self, name), redact)
+        out["gradient_checkpointing"] = self.gradient_checkpointing
+        for name, section in self.plugins.items():
+            out[name] = section_to_dict(section, redact)
+        return out
+
+    def to_yaml(self, redact: bool = False) -> str:
+        return yaml.safe_dump(self.to_dict(redact), sort_keys=False)
+
+    def to_json(self, redact: bool = False) -> str:
+        return json.dumps(self.to_dict(redact), indent=2)
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the redacted config (YAML, or JSON for a ``.json`` path) atomically."""
+        from speedtronic.fileio import atomic_write_text
+
+        path = Path(path)
+        text = self.to_json(redact=True) if path.suffix == ".json" else self.to_yaml(redact=True)
+        atomic_write_text(path, text)
+        return path
+
+    # ----------------------------------------------------------------- derived
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.run.output_dir)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """Where checkpoints go: ``checkpoint.directory`` or ``<output_dir>/checkpoints``."""
+        if self.checkpoint.directory:
+            return Path(self.checkpoint.directory)
+        return self.output_dir / "checkpoints"
+
+
+def _provider_hint(key: str, in_config: bool = True) -> str:
+    from speedtronic.plugins import missing_provider_hint
+
+    return missing_provider_hint(key)
+
+
+def _read_mapping(path: Path, yaml_ok: bool) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    return _parse(text, str(path), yaml_ok)
+
+
+def _parse(text: str, origin: str, yaml_ok: bool) -> Any:
+    try:
+        data = yaml.safe_load(text) if yaml_ok else json.loads(text)
+    except (yaml.YAMLError, json.JSONDecodeError) as exc:
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"cannot parse {origin}: {detail}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{origin}: the config root must be a mapping")
+    return data
+
+
+def _split_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
+    items = []
+    for raw in overrides:
+        key, sep, value = raw.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {raw!r} must look like dotted.key=value")
+        try:
+            parsed = yaml.safe_load(value) if value.strip() else ""
+        except yaml.YAMLError:
+            parsed = value
+        items.append((key.strip(), parsed))
+    return items
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    if parts[0] in RUN_ALIASES and len(parts) == 1:
+        parts = ["run", parts[0]]
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError("cannot set a key inside a non-section value", ".".join(parts[: i + 1]))
+        node = child
+    node[parts[-1]] = value
+
+
+def __getattr__(name: str) -> Any:
+    # Seed-era import path: speedtronic.config.DistributedConfig lives in speedtronic-diloco.
+    if name == "DistributedConfig":
+        from speedtronic._lazy import import_plugin_attr
+
+        return import_plugin_attr("speedtronic_diloco", "DistributedConfig", "speedtronic-diloco")
+    raise AttributeError(f"module 'speedtronic.config' has no attribute {name!r}")
+
+
+__all__ += ["REDACTED"]

@@ -1,0 +1,98 @@
+"""From a config to a running trainer: ``build_runtime`` and ``train_from_config``."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from speedtronic.config import SpeedtronicConfig
+from speedtronic.data import DataSource, Tokenizer, build_dataloader
+from speedtronic.metrics import ConsoleSink, JsonlSink, MetricLogger, TextFileSink, import_hook
+from speedtronic.plugins import get_plugin_manager
+from speedtronic.registry import build_model_from_hook
+from speedtronic.trainer import Trainer, TrainResult
+
+log = logging.getLogger("speedtronic.runtime")
+
+
+@dataclass
+class Runtime:
+    """The wired pieces of one run."""
+
+    config: SpeedtronicConfig
+    model: nn.Module
+    data: DataSource
+    trainer: Trainer
+    metrics: MetricLogger
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (CPU and CUDA)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def build_metric_logger(config: SpeedtronicConfig, hooks: Iterable[Any] = (),
+                        plugin_manager: Any = None, console: bool = True) -> MetricLogger:
+    """stdout, optional text/JSONL files, ``logging.hooks`` and ``hooks``, plus plugins."""
+    sinks: list[Any] = []
+    if console:
+        sinks.append(ConsoleSink(config.run.max_steps, progress=config.logging.progress))
+    if config.logging.file:
+        sinks.append(TextFileSink(config.logging.file))
+    if config.logging.json_file:
+        sinks.append(JsonlSink(config.logging.json_file))
+    sinks.extend(import_hook(path) for path in config.logging.hooks)
+    sinks.extend(hooks)
+    return MetricLogger(sinks, plugin_manager=plugin_manager)
+
+
+def build_runtime(
+    config: Any,
+    *,
+    model: nn.Module | None = None,
+    dataset: Any = None,
+    tokenizer: Tokenizer | None = None,
+    hooks: Iterable[Any] = (),
+    console: bool = True,
+) -> Runtime:
+    """Validate ``config`` and build model, data, optimizer, metrics and trainer.
+
+    ``model`` and ``dataset`` replace the configured ones; ``hooks`` are extra metric sinks.
+    """
+    config = SpeedtronicConfig.load(config)
+    logging.getLogger("speedtronic").setLevel(config.logging.level)
+    pm = get_plugin_manager()
+    seed_everything(config.run.seed)
+    if model is None:
+        model = build_model_from_hook(config.model.name, **config.model.params)
+    seed = config.data.seed if config.data.seed is not None else config.run.seed
+    adjusted = pm.hook.data_seed(config=config, seed=seed)
+    data = build_dataloader(
+        config, dataset, tokenizer,
+        seq_len=getattr(model, "max_seq_len", None),
+        vocab_size=getattr(model, "vocab_size", None),
+        seed=adjusted if adjusted is not None else seed,
+    )
+    log.info("data: %s", data.description)
+    metrics = build_metric_logger(config, hooks, pm, console)
+    try:
+        trainer = Trainer(model, config, data=data, metric_logger=metrics, plugin_manager=pm)
+    except BaseException:
+        metrics.close()
+        raise
+    return Runtime(config=config, model=model, data=data, trainer=trainer, metrics=metrics)
+
+
+def train_from_config(config: Any, **kwargs: Any) -> TrainResult:
+    """Build the runtime for ``config`` and train; returns the :class:`TrainResult`."""
+    runtime = build_runtime(config, **kwargs)
+    return runtime.trainer.fit()

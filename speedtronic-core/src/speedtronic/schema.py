@@ -1,0 +1,253 @@
+"""Strict, typed config sections built from dataclasses.
+
+Every config section (core's and plugins') is a dataclass. Subclassing :class:`Section` gives
+it the house rules on construction: values are coerced to the annotated types (``"false"`` is
+``False``, ``"3"`` is ``3``; garbage is an error), nested mappings become nested sections,
+unknown keys fail with a "did you mean" suggestion, and the numeric bounds and choices declared
+with :func:`option` are checked. Each error is a :class:`~speedtronic.errors.ConfigError`
+naming the dotted field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, Literal, Union
+
+from speedtronic.errors import ConfigError
+
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+
+
+def option(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    secret: bool = False,
+    default_factory: Any = dataclasses.MISSING,
+) -> Any:
+    """A documented dataclass field with optional bounds.
+
+    ``help`` feeds the generated configuration reference. ``secret`` fields are replaced by
+    ``<redacted>`` whenever a config is saved or shown.
+    """
+    meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt, "secret": secret}
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+class Section:
+    """Mixin for config dataclasses: coerces and checks fields in ``__post_init__``.
+
+    Subclasses may define ``validate(self)`` for cross-field rules; raise ``ConfigError`` with
+    ``path`` set to the field name.
+    """
+
+    def __post_init__(self) -> None:
+        hints = _type_hints(type(self))
+        for field in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, field.name)
+            try:
+                value = coerce(value, hints[field.name])
+            except ConfigError as exc:
+                raise exc.under(field.name) from None
+            _check_bounds(field, value)
+            object.__setattr__(self, field.name, value)
+        validate = getattr(self, "validate", None)
+        if validate is not None:
+            validate()
+
+
+def build_section(cls: type, data: Any, path: str) -> Any:
+    """Build the dataclass ``cls`` from a mapping, with errors located under ``path``."""
+    if isinstance(data, cls):
+        return data
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"expected a mapping, got {type(data).__name__}", path)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    for key in data:
+        if key not in names:
+            raise unknown_key_error(str(key), names, path)
+    try:
+        return cls(**dict(data))
+    except ConfigError as exc:
+        raise exc.under(path) from None
+    except TypeError as exc:  # a required field is missing
+        raise ConfigError(str(exc), path) from None
+
+
+def unknown_key_error(key: str, known: list[str], path: str, hint: str = "") -> ConfigError:
+    """The error for an unknown key, with a "did you mean" suggestion when one is close."""
+    where = f"{path}.{key}" if path else key
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    suggestion = f"; did you mean {close[0]!r}?" if close else ""
+    return ConfigError(f"unknown key{suggestion}{hint}", where)
+
+
+def coerce(value: Any, annotation: Any) -> Any:
+    """Convert ``value`` to ``annotation`` (bool/int/float/str/Literal/Optional/list/dict/dataclass)."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if annotation is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return coerce(value, arg)
+            except ConfigError as exc:
+                errors.append(exc.message)
+        raise ConfigError("; ".join(errors))
+    if origin is Literal:
+        if value in args:
+            return value
+        choices = ", ".join(repr(a) for a in args)
+        raise ConfigError(f"must be one of {choices} (got {value!r})")
+    if origin in (list, tuple):
+        if isinstance(value, str) or not isinstance(value, (list, tuple)):
+            raise ConfigError(f"expected a list, got {type(value).__name__} {value!r}")
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                raise ConfigError(f"expected {len(args)} items, got {len(value)}")
+            return tuple(coerce(v, a) for v, a in zip(value, args))
+        inner = args[0] if args else Any
+        items = [coerce(v, inner) for v in value]
+        return tuple(items) if origin is tuple else items
+    if origin is dict or annotation is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"expected a mapping, got {type(value).__name__}")
+        return dict(value)
+    if dataclasses.is_dataclass(annotation) and isinstance(annotation, type):
+        return build_section(annotation, value, "")
+    if annotation is bool:
+        return _to_bool(value)
+    if annotation is int:
+        return _to_int(value)
+    if annotation is float:
+        return _to_float(value)
+    if annotation is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"expected a string, got {type(value).__name__}")
+    return value
+
+
+def _to_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        lowered = value.strip().lower()
+        if lowered in _TRUE:
+            return True
+        if lowered in _FALSE:
+            return False
+    raise ConfigError(f"expected a boolean (true/false), got {value!r}")
+
+
+def _to_int(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"expected an integer, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value.strip().replace("_", ""))
+        except ValueError:
+            pass
+    raise ConfigError(f"expected an integer, got {value!r}")
+
+
+def _to_float(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(f"expected a number, got {value!r}")
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            pass
+    raise ConfigError(f"expected a number, got {value!r}")
+
+
+def _check_bounds(field: dataclasses.Field, value: Any) -> None:
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    meta = field.metadata
+    checks = (
+        ("ge", lambda b: value >= b, ">="),
+        ("gt", lambda b: value > b, ">"),
+        ("le", lambda b: value <= b, "<="),
+        ("lt", lambda b: value < b, "<"),
+    )
+    for key, ok, symbol in checks:
+        bound = meta.get(key)
+        if bound is not None and not ok(bound):
+            raise ConfigError(f"must be {symbol} {bound:g} (got {value!r})", field.name)
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def section_to_dict(section: Any, redact: bool = False) -> dict[str, Any]:
+    """A plain, YAML-safe dict of a section; secrets become ``<redacted>`` when ``redact``."""
+    out: dict[str, Any] = {}
+    for field in dataclasses.fields(section):
+        value = getattr(section, field.name)
+        if dataclasses.is_dataclass(value):
+            value = section_to_dict(value, redact)
+        elif isinstance(value, tuple):
+            value = list(value)
+        if redact and field.metadata.get("secret") and value is not None:
+            value = REDACTED
+        out[field.name] = value
+    return out
+
+
+REDACTED = "<redacted>"
+
+
+def describe_type(annotation: Any) -> str:
+    """A short human name of a field type, for the generated reference."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is Literal:
+        return " | ".join(str(a) for a in args)
+    if origin in (Union, types.UnionType):
+        parts = [describe_type(a) for a in args if a is not type(None)]
+        text = " | ".join(parts)
+        return f"{text} | null" if type(None) in args else text
+    if origin in (list, tuple):
+        return f"list[{describe_type(args[0])}]" if args else "list"
+    if origin is dict or annotation is dict:
+        return "mapping"
+    if dataclasses.is_dataclass(annotation):
+        return "section"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def field_hints(cls: type) -> dict[str, Any]:
+    """Resolved type annotations of a section dataclass."""
+    return _type_hints(cls)

@@ -1,0 +1,1 @@
+"""Hook implementations wiring DumbDiLoCo into the Speedtronic trainer."""

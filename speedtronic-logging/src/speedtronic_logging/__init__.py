@@ -1,0 +1,3 @@
+"""Weights & Biases and TensorBoard metric sinks for Speedtronic."""
+
+__version__ = "0.1.0"

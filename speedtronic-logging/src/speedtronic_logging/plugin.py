@@ -1,0 +1,1 @@
+"""Hook implementations registering the W&B and TensorBoard sinks."""

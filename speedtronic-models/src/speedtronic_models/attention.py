@@ -1,0 +1,50 @@
+"""Causal grouped-query self-attention on top of ``scaled_dot_product_attention``."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from speedtronic_models.config import TransformerConfig
+from speedtronic_models.rotary import apply_rotary
+
+
+class GroupedQueryAttention(nn.Module):
+    """Self-attention where ``n_head`` query heads share ``n_kv_head`` key/value heads.
+
+    Fewer key/value heads shrink the K/V projections (and an inference KV cache); with
+    ``n_kv_head == n_head`` this is ordinary multi-head attention. Queries, keys and values
+    come from one fused projection so the forward pass runs one matmul instead of three.
+    """
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.n_kv_head = config.n_kv_head
+        self.head_dim = config.head_dim
+        self.dropout = config.dropout
+        qkv_heads = config.n_head + 2 * config.n_kv_head
+        self.qkv = nn.Linear(config.d_model, qkv_heads * config.head_dim, bias=False)
+        self.out = nn.Linear(config.n_head * config.head_dim, config.d_model, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Attend over ``x`` ``[B, T, d_model]``; ``mask`` (``True`` = may attend) replaces the
+        plain causal pattern when the batch carries padding."""
+        batch, seq_len, _ = x.shape
+        qkv = self.qkv(x).view(batch, seq_len, -1, self.head_dim)
+        q, k, v = qkv.split((self.n_head, self.n_kv_head, self.n_kv_head), dim=2)
+        # SDPA wants [B, H, T, D]; rotating first lets cos/sin broadcast over heads as stored.
+        q = apply_rotary(q, cos, sin).transpose(1, 2)
+        k = apply_rotary(k, cos, sin).transpose(1, 2)
+        v = v.transpose(1, 2)
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            # Without a mask SDPA builds causality into the kernel: no [T, T] tensor at all.
+            is_causal=mask is None,
+            enable_gqa=self.n_kv_head != self.n_head,
+        )
+        return self.out(y.transpose(1, 2).reshape(batch, seq_len, -1))
