@@ -40,9 +40,3 @@ def test_file_written_by_save_model_loads_as_a_state_dict(make_model, tokens, tm
     fresh = make_model(seed=2)
     fresh.load_state_dict(load_file(str(tmp_path / "model.safetensors")), strict=True)
     _assert_same_model(fresh, original, tokens)
-    # Still tied after loading: training the head moves the embedding, as it must.
-    fresh.train()
-    fresh(tokens, labels=tokens)["loss"].backward()
-    with torch.no_grad():
-        fresh.output_weight.sub_(fresh.output_weight.grad)
-    assert not torch.equal(fresh.tok_emb.weight, original.tok_emb.weight)

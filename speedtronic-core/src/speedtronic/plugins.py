@@ -144,17 +144,10 @@ def list_plugins() -> list[PluginInfo]:
     load_plugins()
     rows = []
     for name, plugin in pm.list_name_plugin():
-        hooks = tuple(sorted(impl.hook_name for impl in _impls_of(plugin)))
+        hooks = tuple(sorted(caller.name for caller in pm.get_hookcallers(plugin) or []))
         dist, version = _plugin_distributions.get(name, ("in-process", ""))
         rows.append(PluginInfo(name=name, distribution=dist, version=version, hooks=hooks))
     return sorted(rows, key=lambda row: row.name)
-
-
-def _impls_of(plugin: Any) -> list[Any]:
-    impls = []
-    for hook_caller in pm.get_hookcallers(plugin) or []:
-        impls.extend(impl for impl in hook_caller.get_hookimpls() if impl.plugin is plugin)
-    return impls
 
 
 def _version(dist: str) -> str:
