@@ -11,8 +11,12 @@ from pathlib import Path
 import nox
 
 ROOT = Path(__file__).parent
-DISTRIBUTIONS = ("speedtronic-core", "speedtronic-models", "speedtronic-diloco",
-                 "speedtronic-logging")
+DISTRIBUTIONS = (
+    "speedtronic-core",
+    "speedtronic-models",
+    "speedtronic-diloco",
+    "speedtronic-logging",
+)
 CONSTRAINTS = ("-c", str(ROOT / "constraints-cpu.txt"))
 
 nox.options.sessions = ["tests", "lint", "docs"]
@@ -21,8 +25,11 @@ nox.options.reuse_existing_virtualenvs = True
 
 def install_all(session: nox.Session) -> None:
     session.install(*CONSTRAINTS, "torch")
-    editable = [arg for dist in DISTRIBUTIONS for arg in ("-e", str(ROOT / dist))]
-    session.install(*CONSTRAINTS, *editable, "speedtronic-logging[all] @ " + (ROOT / "speedtronic-logging").as_uri())
+    extras = {"speedtronic-logging": "[all]"}
+    editable = [
+        arg for dist in DISTRIBUTIONS for arg in ("-e", f"{ROOT / dist}{extras.get(dist, '')}")
+    ]
+    session.install(*CONSTRAINTS, *editable)
     session.install(*CONSTRAINTS, "-r", str(ROOT / "requirements-test.txt"))
 
 
@@ -53,5 +60,6 @@ def wheels(session: nox.Session) -> None:
     """Build a wheel of every distribution, each on its own, into dist/."""
     session.install("build")
     for dist in DISTRIBUTIONS:
-        session.run("python", "-m", "build", "--wheel", "--outdir", str(ROOT / "dist"),
-                    str(ROOT / dist))
+        session.run(
+            "python", "-m", "build", "--wheel", "--outdir", str(ROOT / "dist"), str(ROOT / dist)
+        )
