@@ -7,7 +7,9 @@ answers `uploadMode: "regular"`), so no LFS or Xet traffic is ever needed.
 
 Faults are injected per request kind (`KINDS`): an HTTP status, a hang (the connection is
 then closed without a reply) or a dropped connection, optionally after the request took
-effect, which is how a lost commit response looks to a client.
+effect, which is how a lost commit response looks to a client. `inject_call` runs a function
+when a request arrives and then serves it normally, to interleave two clients exactly (for
+example another commit landing between a client's read and its own commit).
 
 Usage::
 
@@ -25,6 +27,7 @@ import json
 import logging
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -49,7 +52,7 @@ class RequestRecord:
     kind: str
     status: int | None  # None when no reply was sent (hang or drop)
     authorization: str | None
-    fault: str | None  # "status", "hang" or "drop" when an injected fault fired
+    fault: str | None  # "status", "hang", "drop" or "call" when an injected fault fired
 
 
 @dataclass
@@ -57,11 +60,13 @@ class _Fault:
     kind: str
     method: str | None
     remaining: int
-    action: str  # "status" | "hang" | "drop"
+    action: str  # "status" | "hang" | "drop" | "call"
     status: int = 503
     retry_after: int | None = None
     seconds: float = 0.0
     after_apply: bool = False
+    callback: Callable[[], object] | None = None
+    message: str | None = None
 
 
 @dataclass(frozen=True)
@@ -165,13 +170,23 @@ class HubEmulator:
             otherwise it gets 401 "Invalid credentials in Authorization header".
         user: namespace for repos created without one (`create_repo("name")`).
 
+        lfs_suffixes: files whose names end with one of these are listed as LFS files, as
+            the real Hub lists them (`lfs.oid` = sha256 of the content, `oid` = the git id
+            of the pointer file); their content is still stored and served inline.
+
     Without `require_token`, any token is accepted; writes still need some token, and
     private repos answer 401 RepoNotFound to anonymous reads, as on the real Hub.
     """
 
-    def __init__(self, require_token: str | None = None, user: str = "emulator-user") -> None:
+    def __init__(
+        self,
+        require_token: str | None = None,
+        user: str = "emulator-user",
+        lfs_suffixes: tuple[str, ...] = (),
+    ) -> None:
         self.require_token = require_token
         self.user = user
+        self.lfs_suffixes = tuple(lfs_suffixes)
         self._lock = threading.Lock()
         self._repos: dict[str, _Repo] = {}
         self._faults: list[_Fault] = []
@@ -227,9 +242,11 @@ class HubEmulator:
         count: int = 1,
         retry_after: int | None = None,
         method: str | None = None,
+        message: str | None = None,
     ) -> None:
-        """Answer the next `count` requests of `kind` with `status` (and `Retry-After`)."""
-        self._add_fault(_Fault(kind, method, count, "status", status, retry_after))
+        """Answer the next `count` requests of `kind` with `status` (and `Retry-After`;
+        `message` replaces the error text the reply carries)."""
+        self._add_fault(_Fault(kind, method, count, "status", status, retry_after, message=message))
 
     def inject_hang(
         self, kind: str, seconds: float, count: int = 1, method: str | None = None
@@ -247,6 +264,15 @@ class HubEmulator:
         the response is lost.
         """
         self._add_fault(_Fault(kind, method, count, "drop", after_apply=after_apply))
+
+    def inject_call(
+        self, kind: str, callback: Callable[[], object], count: int = 1, method: str | None = None
+    ) -> None:
+        """Run `callback()` when the next `count` requests of `kind` arrive, then serve them
+        normally. The callback runs in the server thread without the emulator's lock, so it
+        may itself make requests (another client committing first, say); its exceptions
+        are logged and the request is served anyway."""
+        self._add_fault(_Fault(kind, method, count, "call", callback=callback))
 
     def clear_faults(self) -> None:
         """Forget every pending fault."""
@@ -344,6 +370,15 @@ class HubEmulator:
         fault = self._take_fault(route.kind, method)
 
         action = fault.action if fault is not None else None
+        if fault is not None and fault.callback is not None:
+            try:
+                fault.callback()
+            except Exception:
+                logger.exception("inject_call callback failed")
+            # Served normally from here on; the record still says a callback ran first.
+            reply = self._route(route, method, parse_qs(url.query), auth, body)
+            self._record(RequestRecord(method, url.path, route.kind, reply.status, auth, action))
+            return reply
         if fault is not None and action == "hang":
             # Logged on arrival so a test can see the hang while its client is still waiting.
             self._record(RequestRecord(method, url.path, route.kind, None, auth, action))
@@ -365,7 +400,9 @@ class HubEmulator:
     @staticmethod
     def _injected_reply(fault: _Fault) -> _Reply:
         message = f"Injected HTTP {fault.status} by the hub emulator"
-        if fault.status == 401:
+        if fault.message is not None:
+            message = fault.message
+        elif fault.status == 401:
             # The exact text the client uses to tell a bad token from a hidden repo.
             message = "Invalid credentials in Authorization header"
         reply = _HubError(fault.status, message).reply
@@ -467,11 +504,26 @@ class HubEmulator:
                 entries.append({"type": "directory", "oid": oid, "size": 0, "path": path})
         for path, data in files.items():
             if wanted(path):
-                entries.append(
-                    {"type": "file", "oid": git_blob_sha(data), "size": len(data), "path": path}
-                )
+                entries.append(self._file_entry(path, data))
         entries.sort(key=lambda entry: entry["path"])
         return _json_reply(200, entries)
+
+    def _file_entry(self, path: str, data: bytes) -> dict[str, Any]:
+        entry: dict[str, Any] = {
+            "type": "file",
+            "oid": git_blob_sha(data),
+            "size": len(data),
+            "path": path,
+        }
+        if path.endswith(self.lfs_suffixes) and self.lfs_suffixes:
+            sha256 = hashlib.sha256(data).hexdigest()
+            pointer = (
+                f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha256}\n"
+                f"size {len(data)}\n"
+            ).encode()
+            entry["oid"] = git_blob_sha(pointer)
+            entry["lfs"] = {"oid": sha256, "size": len(data), "pointerSize": len(pointer)}
+        return entry
 
     def _resolve(self, repo: _Repo, revision: str, path: str) -> _Reply:
         commit = self._commit_at(repo, revision)
@@ -625,6 +677,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
+        # Headers and body leave in separate writes; without this, Nagle's algorithm and the
+        # client's delayed ACK add ~40 ms to every request.
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.server.track(self.connection, True)
 
     def finish(self) -> None:

@@ -109,3 +109,13 @@ def test_inputs_inconsistent_with_the_model_raise_data_errors(make_model, tokens
         model(tokens, labels=tokens[:, :-1])
     with pytest.raises(DataError, match="input_ids"):
         model(tokens[0])
+
+
+def test_bf16_autocast_runs_attention_in_bf16_and_the_loss_in_fp32(make_model, tokens) -> None:
+    model = make_model()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(tokens, labels=tokens, attention_mask=torch.ones_like(tokens))
+    assert out["logits"].dtype == torch.bfloat16
+    assert out["loss"].dtype == torch.float32
+    out["loss"].backward()
+    assert torch.isfinite(model.tok_emb.weight.grad).all()

@@ -36,8 +36,13 @@ __all__ = [
     "register_model",
 ]
 
-# Seed-era names that now live in speedtronic-diloco; resolved only when touched.
-_DILOCO_NAMES = ("DumbDiLoCoCoordinator", "DumbDiLoCo", "SyncResult", "DistributedConfig")
+# Seed-era names that now live in speedtronic-diloco, resolved only when touched: public name
+# -> name in speedtronic_diloco (`DumbDiLoCo` has always been an alias of the coordinator).
+_DILOCO_NAMES = {
+    "DumbDiLoCoCoordinator": "DumbDiLoCoCoordinator",
+    "DumbDiLoCo": "DumbDiLoCoCoordinator",
+    "SyncResult": "SyncResult",
+}
 # Heavier core names, imported on first use so `import speedtronic` stays light.
 _CORE_LAZY = {
     "Trainer": "speedtronic.trainer",
@@ -52,7 +57,7 @@ def __getattr__(name: str) -> Any:
     if name in _DILOCO_NAMES:
         from speedtronic._lazy import import_plugin_attr
 
-        return import_plugin_attr("speedtronic_diloco", name, "speedtronic-diloco")
+        return import_plugin_attr("speedtronic_diloco", _DILOCO_NAMES[name], "speedtronic-diloco")
     if name == "distributed":
         import importlib
 
@@ -62,3 +67,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(importlib.import_module(_CORE_LAZY[name]), name)
     raise AttributeError(f"module 'speedtronic' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_CORE_LAZY, *_DILOCO_NAMES, "distributed"})

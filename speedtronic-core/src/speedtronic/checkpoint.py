@@ -1,28 +1,34 @@
 """Local checkpoints that survive a crash at any instant, and loading without pickle.
 
-Layout of ``checkpoint_dir``::
+Layout of a checkpoint directory::
 
     step_00000100/
         tensors.safetensors   every tensor of the state (model, optimizer, RNG, plugins)
         state.json            everything else, with references into the tensor file
-        manifest.json         size and sha256 of the two files above (written last)
-    latest.json               {"checkpoint": "step_00000100", "step": 100, ...}
+        manifest.json         step, size and sha256 of the two files above
+    latest.json               {"checkpoint": "step_00000100", "step": 100, "format": 1}
 
-A checkpoint is first assembled in a hidden temporary directory, every file fsynced, then the
-directory is renamed into place, and only then is ``latest.json`` atomically replaced. Old
-checkpoints are deleted only after the new pointer is durable. On load, the newest checkpoint
-that verifies against its manifest wins; a torn or tampered one is skipped with a warning.
+A checkpoint is assembled in a hidden staging directory (``.step_00000100.<random>.tmp``),
+every file is fsynced, the staging directory is renamed into place and the parent directory
+fsynced; only then is ``latest.json`` atomically replaced, and only after that pointer is
+durable are older checkpoints removed. A crash at any instant therefore leaves ``latest.json``
+naming either the previous checkpoint or the new, complete one.
+
+Loading follows ``latest.json`` (whose name must match ``step_NNNNNNNN``: it cannot point
+outside the directory), verifies the checkpoint against its manifest and decodes it with
+safetensors and JSON only. A checkpoint that is missing, truncated or fails its hashes is named
+in a warning and the next older one is tried.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import re
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +37,7 @@ from safetensors.torch import load_file, save_file
 
 from speedtronic import statecodec
 from speedtronic.errors import CheckpointError
-from speedtronic.fileio import atomic_write_text, fsync_dir, sha256_file
+from speedtronic.fileio import atomic_write_text, fsync_dir, fsync_file, sha256_chunks
 
 log = logging.getLogger("speedtronic.checkpoint")
 
@@ -41,11 +47,24 @@ TENSORS = "tensors.safetensors"
 STATE = "state.json"
 MANIFEST = "manifest.json"
 NAME_PATTERN = re.compile(r"^step_(\d{8,})$")
+# Files are hashed in slices of this size, in parallel, so big checkpoints verify quickly.
+HASH_CHUNK_BYTES = 32 << 20
+# Anything in the directory starting with this is ours and unreferenced: staging directories
+# of interrupted saves, parked copies of a re-saved step, checkpoints being deleted.
+_HIDDEN_PREFIX = ".step_"
 
 
 def checkpoint_name(step: int) -> str:
     """The directory name of the checkpoint taken after optimizer step ``step``."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
     return f"step_{step:08d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step encoded in a checkpoint directory name, or None for any other name."""
+    match = NAME_PATTERN.match(name)
+    return int(match.group(1)) if match else None
 
 
 @dataclass(frozen=True)
@@ -54,52 +73,82 @@ class LoadedCheckpoint:
 
     path: Path
     step: int
-    state: dict[str, Any]
+    state: Any
 
 
 class CheckpointManager:
-    """Writes, verifies, retains and loads the checkpoints of one run."""
+    """Writes, verifies, retains and loads the checkpoints of one run in ``directory``."""
 
     def __init__(self, directory: str | os.PathLike[str], keep_last: int = 3) -> None:
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
         self.directory = Path(directory)
         self.keep_last = keep_last
 
     # ------------------------------------------------------------------ writing
-    def save(self, step: int, state: dict[str, Any]) -> Path:
-        """Durably write ``state`` as the checkpoint of ``step`` and point ``latest.json`` at it."""
-        self.directory.mkdir(parents=True, exist_ok=True)
+    def save(self, step: int, state: Any) -> Path:
+        """Durably write ``state`` as the checkpoint of ``step``, point ``latest.json`` at it,
+        then apply retention. Raises :class:`CheckpointError`; on failure the previous
+        checkpoint stays the latest one."""
         name = checkpoint_name(step)
-        final = self.directory / name
-        json_tree, tensors = statecodec.encode(state)
+        try:
+            json_tree, tensors = statecodec.encode(state)
+            text = json.dumps(json_tree, allow_nan=False, separators=(",", ":"))
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(
+                f"cannot serialise the state for checkpoint {name}: {exc}"
+            ) from exc
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            final = self._write(name, step, json_tree=text, tensors=tensors)
+            atomic_write_text(
+                self.directory / POINTER,
+                json.dumps({"checkpoint": name, "step": step, "format": FORMAT_VERSION}) + "\n",
+            )
+        except OSError as exc:
+            raise CheckpointError(
+                f"could not write checkpoint {name} in {self.directory}: {exc}"
+            ) from exc
+        self._apply_retention(step)
+        log.debug("checkpoint %s written", final)
+        return final
+
+    def _write(self, name: str, step: int, *, json_tree: str, tensors: dict[str, Any]) -> Path:
         staging = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=self.directory))
         try:
             save_file(tensors, str(staging / TENSORS), metadata={"format": str(FORMAT_VERSION)})
-            (staging / STATE).write_text(json.dumps(json_tree), encoding="utf-8")
-            files = {}
-            for filename in (TENSORS, STATE):
-                _fsync_file(staging / filename)
-                files[filename] = {
-                    "size": (staging / filename).stat().st_size,
-                    "sha256": sha256_file(staging / filename),
-                }
+            (staging / STATE).write_text(json_tree, encoding="utf-8")
+            # Hash (from the page cache) while the kernel flushes the same files to disk.
+            with ThreadPoolExecutor(1, thread_name_prefix="fsync") as flusher:
+                flushed = [flusher.submit(fsync_file, staging / f) for f in (TENSORS, STATE)]
+                files = {f: _describe(staging / f) for f in (TENSORS, STATE)}
+                for future in flushed:
+                    future.result()
             manifest = {"format": FORMAT_VERSION, "step": step, "files": files}
-            atomic_write_text(staging / MANIFEST, json.dumps(manifest, indent=1))
+            (staging / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+            fsync_file(staging / MANIFEST)
             fsync_dir(staging)
+            final = self.directory / name
             self._move_into_place(staging, final)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        pointer = {"checkpoint": name, "step": step, "files": files}
-        atomic_write_text(self.directory / POINTER, json.dumps(pointer, indent=1))
-        self._apply_retention(keep=name)
+        # Cheap last check before the pointer moves: the files in place are the ones hashed.
+        for filename, expected in files.items():
+            size = (final / filename).stat().st_size
+            if size != expected["size"]:
+                raise OSError(
+                    f"{final / filename} has {size} bytes after the rename, "
+                    f"expected {expected['size']}"
+                )
         return final
 
     def _move_into_place(self, staging: Path, final: Path) -> None:
         if final.exists():
-            # Re-saving a step (e.g. after a resume): park the old copy, swap, then delete it.
-            # A crash in between leaves latest.json naming a missing or complete directory,
-            # both of which load() handles.
-            parked = final.with_name(f".{final.name}.old")
+            # Re-saving a step (a resume from an older checkpoint): park the old copy, swap,
+            # then delete it. latest.json never names this step while that can happen (it
+            # names the older checkpoint we resumed from), so a crash in between is harmless.
+            parked = self.directory / f"{_HIDDEN_PREFIX}{final.name[5:]}.old"
             shutil.rmtree(parked, ignore_errors=True)
             os.replace(final, parked)
             os.replace(staging, final)
@@ -109,110 +158,144 @@ class CheckpointManager:
             os.replace(staging, final)
             fsync_dir(self.directory)
 
-    def _apply_retention(self, keep: str) -> None:
-        complete = [p for p in self.candidates() if p.name != keep]
-        excess = len(complete) + 1 - self.keep_last
-        for path in sorted(complete, key=_step_of)[: max(0, excess)]:
-            shutil.rmtree(path, ignore_errors=True)
-        for stale in self.directory.glob(".step_*"):
-            # Leftovers of an interrupted save; never referenced by latest.json.
+    def _apply_retention(self, step: int) -> None:
+        # Only checkpoints older than the new one count: a higher-numbered directory is either
+        # one that failed verification on resume (it is replaced when the run gets there) or
+        # one from an earlier run in the same directory, which is not ours to delete.
+        older = [p for p in self.candidates() if (step_of(p.name) or 0) < step]
+        for path in older[self.keep_last - 1 :]:
+            # Hide first (atomic), then delete: a crash mid-delete never leaves a visible,
+            # half-deleted checkpoint that a later resume would have to skip.
+            doomed = self.directory / f"{_HIDDEN_PREFIX}{path.name[5:]}.deleting"
+            try:
+                shutil.rmtree(doomed, ignore_errors=True)
+                os.replace(path, doomed)
+            except OSError as exc:
+                log.warning("could not remove old checkpoint %s: %s", path, exc)
+                continue
+            log.debug("retention: removing %s", path.name)
+        # No fsync here: if a crash undoes the hiding rename, an old complete checkpoint
+        # simply reappears and is removed by the next save.
+        for stale in self.directory.glob(f"{_HIDDEN_PREFIX}*"):
             shutil.rmtree(stale, ignore_errors=True)
-        fsync_dir(self.directory)
 
     # ------------------------------------------------------------------ reading
     def candidates(self) -> list[Path]:
-        """Checkpoint directories by name (newest first), complete or not."""
+        """Checkpoint directories by name, newest first, complete or not (no symlinks)."""
         if not self.directory.is_dir():
             return []
-        dirs = [p for p in self.directory.iterdir() if p.is_dir() and NAME_PATTERN.match(p.name)]
-        return sorted(dirs, key=_step_of, reverse=True)
+        dirs = [
+            p
+            for p in self.directory.iterdir()
+            if step_of(p.name) is not None and p.is_dir() and not p.is_symlink()
+        ]
+        return sorted(dirs, key=lambda p: step_of(p.name) or 0, reverse=True)
 
     def pointer_target(self) -> Path | None:
-        """The directory ``latest.json`` names, validated against the naming pattern."""
+        """The checkpoint directory ``latest.json`` names, or None if there is no usable pointer.
+
+        The name must match ``step_NNNNNNNN`` exactly, so it can never lead outside the
+        directory; a pointer that fails that check is reported and ignored.
+        """
         pointer = self.directory / POINTER
-        if not pointer.exists():
-            return None
         try:
             data = json.loads(pointer.read_text(encoding="utf-8"))
-            name = data["checkpoint"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            log.warning("checkpoint pointer %s is unreadable (%s); scanning the directory",
-                        pointer, exc)
+        except FileNotFoundError:
             return None
-        if not isinstance(name, str) or not NAME_PATTERN.match(name):
-            raise CheckpointError(
-                f"{pointer} names {name!r}, which is not a checkpoint name (step_NNNNNNNN); "
-                "refusing to follow it"
+        except (OSError, ValueError) as exc:
+            log.warning(
+                "checkpoint pointer %s is unreadable (%s); looking for checkpoints in %s",
+                pointer,
+                exc,
+                self.directory,
             )
-        target = (self.directory / name).resolve()
-        if target.parent != self.directory.resolve():
-            raise CheckpointError(f"{pointer} points outside {self.directory}: {name!r}")
+            return None
+        name = data.get("checkpoint") if isinstance(data, dict) else None
+        if not isinstance(name, str) or step_of(name) is None:
+            log.warning(
+                "checkpoint pointer %s names %r, which is not a checkpoint name "
+                "(step_NNNNNNNN); ignoring it",
+                pointer,
+                name,
+            )
+            return None
         return self.directory / name
 
     def verify(self, path: Path) -> int:
         """Check ``path`` against its manifest; returns its step or raises CheckpointError."""
-        manifest_path = path / MANIFEST
+        step = step_of(path.name)
+        if step is None:
+            raise CheckpointError(f"{path.name} is not a checkpoint name (step_NNNNNNNN)")
+        if path.is_symlink() or not path.is_dir():
+            raise CheckpointError(f"{path.name} is missing or not a directory")
         try:
-            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+            manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
             files = manifest["files"]
-            step = int(manifest["step"])
+            manifest_step = int(manifest["step"])
+            expected_files = {
+                name: (int(f["size"]), int(f["chunk_bytes"]), [str(h) for h in f["sha256"]])
+                for name, f in files.items()
+            }
         except FileNotFoundError:
             raise CheckpointError(f"{path.name}: no manifest (incomplete checkpoint)") from None
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointError(f"{path.name}: unreadable manifest ({exc})") from None
-        if set(files) != {TENSORS, STATE}:
-            raise CheckpointError(f"{path.name}: manifest lists unexpected files {sorted(files)}")
-        for filename, expected in files.items():
+        if manifest_step != step:
+            raise CheckpointError(f"{path.name}: manifest is for step {manifest_step}")
+        if set(expected_files) != {TENSORS, STATE}:
+            raise CheckpointError(
+                f"{path.name}: manifest lists unexpected files {sorted(expected_files)}"
+            )
+        for filename, (size, chunk_bytes, digests) in expected_files.items():
             file = path / filename
-            if not file.is_file():
+            if file.is_symlink() or not file.is_file():
                 raise CheckpointError(f"{path.name}/{filename} is missing")
-            size = file.stat().st_size
-            if size != expected["size"]:
+            actual = file.stat().st_size
+            if actual != size:
                 raise CheckpointError(
-                    f"{path.name}/{filename} has {size} bytes, manifest says {expected['size']}"
+                    f"{path.name}/{filename} has {actual} bytes, manifest says {size} (truncated?)"
                 )
-            if sha256_file(file) != expected["sha256"]:
+            slices = max(1, -(-size // chunk_bytes)) if chunk_bytes >= 1 << 20 else -1
+            if len(digests) != slices or sha256_chunks(file, chunk_bytes) != digests:
                 raise CheckpointError(f"{path.name}/{filename} fails its sha256 check")
         return step
 
     def read(self, path: Path) -> LoadedCheckpoint:
-        """Verify and decode one checkpoint directory."""
+        """Verify and decode one checkpoint directory (safetensors and JSON, never pickle)."""
         step = self.verify(path)
         try:
             tensors = load_file(str(path / TENSORS))
             json_tree = json.loads((path / STATE).read_text(encoding="utf-8"))
             state = statecodec.decode(json_tree, tensors)
-        except CheckpointError:
-            raise
         except Exception as exc:
-            raise CheckpointError(f"{path.name}: cannot decode ({type(exc).__name__}: {exc})")
+            raise CheckpointError(
+                f"{path.name}: cannot decode ({type(exc).__name__}: {exc})"
+            ) from None
         return LoadedCheckpoint(path=path, step=step, state=state)
 
     def load_latest(self) -> LoadedCheckpoint | None:
         """The newest usable checkpoint, or None when the directory holds none at all.
 
-        The pointer's target is tried first, then every other checkpoint newest-first; each one
-        that fails verification is named in a warning. If checkpoints exist but none is usable,
-        raises :class:`CheckpointError` instead of silently starting over.
+        ``latest.json``'s target is tried first, then the checkpoints older than it, newest
+        first (every checkpoint when there is no usable pointer); each one that is missing or
+        fails verification is named in a warning. If checkpoints exist but none is usable,
+        raises :class:`CheckpointError` rather than letting the caller start over silently.
         """
-        order: list[Path] = []
         target = self.pointer_target()
-        if target is not None:
-            order.append(target)
-        order.extend(p for p in self.candidates() if p not in order)
+        candidates = self.candidates()
+        if target is None:
+            order = candidates
+        else:
+            limit = step_of(target.name) or 0
+            order = [target, *(p for p in candidates if (step_of(p.name) or 0) < limit)]
         if not order:
             return None
         failures = []
         for path in order:
-            if not path.exists():
-                log.warning("checkpoint %s named by latest.json is missing; trying older ones",
-                            path.name)
-                failures.append(f"{path.name}: missing")
-                continue
             try:
                 return self.read(path)
             except CheckpointError as exc:
-                log.warning("skipping unusable checkpoint %s: %s", path.name, exc)
+                log.warning("skipping unusable checkpoint %s: %s", path, exc)
                 failures.append(str(exc))
         raise CheckpointError(
             f"no usable checkpoint in {self.directory} ({'; '.join(failures)}); "
@@ -220,11 +303,10 @@ class CheckpointManager:
         )
 
 
-def _step_of(path: Path) -> int:
-    match = NAME_PATTERN.match(path.name)
-    return int(match.group(1)) if match else -1
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb+") as handle, contextlib.suppress(OSError):
-        os.fsync(handle.fileno())
+def _describe(path: Path) -> dict[str, Any]:
+    """The manifest entry of one file: size and per-slice sha256."""
+    return {
+        "size": path.stat().st_size,
+        "chunk_bytes": HASH_CHUNK_BYTES,
+        "sha256": sha256_chunks(path, HASH_CHUNK_BYTES),
+    }

@@ -1,7 +1,8 @@
 """The ``speedtronic`` command: ``train``, ``validate``, ``plugins`` and plugin subcommands.
 
-User errors (bad config, missing file, bad override) print one readable line and exit 2;
-``--debug`` shows the traceback instead.
+User errors (a bad config, a missing file, a bad override, an unusable environment) print one
+``error: ...`` line and exit 2; ``--debug`` shows the traceback instead. Anything else is a bug
+and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -9,15 +10,18 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from speedtronic import __version__
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.errors import SpeedtronicError
 
 log = logging.getLogger("speedtronic.cli")
+
+EXIT_USER_ERROR = 2
 
 
 def _load_config(args: argparse.Namespace) -> SpeedtronicConfig:
@@ -33,16 +37,19 @@ def _load_config(args: argparse.Namespace) -> SpeedtronicConfig:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    """``speedtronic train``: validate, build and run; print a one-line summary."""
+    config = _load_config(args)  # before importing torch: a config error should be instant
     from speedtronic.runtime import train_from_config
 
-    config = _load_config(args)
     result = train_from_config(config)
     loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "n/a"
-    print(f"done: {result.steps} steps, final loss {loss}, {result.elapsed_s:.1f}s")
+    resumed = f" (resumed from step {result.resumed_from})" if result.resumed_from else ""
+    print(f"done: {result.steps} steps{resumed}, final loss {loss}, {result.elapsed_s:.1f}s")
     return 0
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    """``speedtronic validate``: print the resolved config with secrets redacted."""
     config = _load_config(args)
     if args.format == "json":
         print(config.to_json(redact=True))
@@ -52,31 +59,51 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
-    from speedtronic.plugins import failed_plugins, list_plugins
+    """``speedtronic plugins``: what the plugin manager discovered."""
+    from speedtronic.plugins import list_plugins
 
     rows = list_plugins()
     if args.format == "json":
         print(json.dumps([row.__dict__ for row in rows], indent=2))
         return 0
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title="speedtronic plugins")
     for column in ("plugin", "distribution", "version", "hooks"):
-        table.add_column(column)
+        table.add_column(column, overflow="fold")
     for row in rows:
-        table.add_row(row.name, row.distribution, row.version, ", ".join(row.hooks))
-    console = Console(width=max(120, Console().width))
-    console.print(table)
-    for name, dist in failed_plugins().items():
-        console.print(f"[red]failed to load[/red] {name} ({dist})")
+        hooks = ", ".join(row.hooks)
+        if row.error:
+            hooks = f"[red]failed to load: {escape(row.error)}[/red]"
+        table.add_row(escape(row.name), escape(row.distribution), escape(row.version), hooks)
+    # Wide enough that a pipe or a narrow terminal does not truncate names mid-word.
+    Console(width=max(120, Console().width)).print(table)
     return 0
 
 
+def _add_plugin_commands(sub: argparse._SubParsersAction) -> None:
+    from speedtronic.plugins import get_plugin_manager
+
+    # One implementation at a time: a plugin that breaks here loses its commands, not the CLI.
+    for impl in get_plugin_manager().hook.register_commands.get_hookimpls():
+        try:
+            impl.function(*[{"subparsers": sub}[name] for name in impl.argnames])
+        except Exception as exc:
+            log.warning(
+                "plugin %r could not add its commands (%s: %s)",
+                impl.plugin_name,
+                type(exc).__name__,
+                exc,
+            )
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The full parser, including the subcommands plugins add."""
     parser = argparse.ArgumentParser(prog="speedtronic", description="Be fast, be efficient.")
     parser.add_argument("--version", action="version", version=f"speedtronic {__version__}")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     train = sub.add_parser("train", help="train from a config file")
@@ -84,62 +111,94 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-steps", type=int, help="override run.max_steps")
     train.add_argument("--output-dir", help="override run.output_dir")
     train.add_argument("--resume", action="store_true", help="resume from the newest checkpoint")
-    train.add_argument("--set", action="append", metavar="KEY=VALUE",
-                       help="override a dotted config key (repeatable)")
+    train.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a dotted config key, value parsed as YAML (repeatable)",
+    )
     train.set_defaults(handler=cmd_train)
 
     validate = sub.add_parser("validate", help="check a config and print it resolved")
-    validate.add_argument("--config", "-c", required=True)
+    validate.add_argument("--config", "-c", required=True, help="YAML or JSON config file")
     validate.add_argument("--format", choices=("yaml", "json"), default="yaml")
-    validate.add_argument("--set", action="append", metavar="KEY=VALUE")
+    validate.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="override a dotted config key"
+    )
     validate.set_defaults(handler=cmd_validate)
 
-    plugins = sub.add_parser("plugins", help="list discovered plugins")
+    plugins = sub.add_parser("plugins", help="list discovered plugins and their hooks")
     plugins.add_argument("--format", choices=("table", "json"), default="table")
     plugins.set_defaults(handler=cmd_plugins)
 
-    from speedtronic.plugins import get_plugin_manager
-
-    get_plugin_manager().hook.register_commands(subparsers=sub)
+    _add_plugin_commands(sub)
+    # `--debug` is also accepted after the command name, plugin commands included.
+    for command in sub.choices.values():
+        try:
+            command.add_argument(
+                "--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+            )
+        except argparse.ArgumentError:
+            pass  # the plugin defined its own --debug
     return parser
 
 
-def _setup_logging(debug: bool) -> None:
-    from rich.logging import RichHandler
-
+@contextmanager
+def _cli_logging(debug: bool) -> Iterator[None]:
+    """Send ``speedtronic.*`` logs to stderr for the duration of one command, then restore."""
+    root = logging.getLogger("speedtronic")
+    saved = (root.level, root.propagate)
     handler: logging.Handler
     if sys.stderr.isatty():
+        from rich.logging import RichHandler
+
         handler = RichHandler(show_path=False, rich_tracebacks=debug)
     else:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger("speedtronic")
     root.addHandler(handler)
     root.setLevel(logging.DEBUG if debug else logging.INFO)
     root.propagate = False
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(saved[0])
+        root.propagate = saved[1]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``speedtronic`` console script."""
+    """Entry point of the ``speedtronic`` console script and ``python -m speedtronic``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
-    _setup_logging(debug)
-    try:
-        parser = build_parser()
-        args = parser.parse_args(argv)
-        if not getattr(args, "handler", None):
-            parser.print_help()
-            return 2
-        return int(args.handler(args) or 0)
-    except SpeedtronicError as exc:
-        if debug:
-            raise
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    with _cli_logging(debug):
+        try:
+            parser = build_parser()
+            args = parser.parse_args(argv)
+            if not getattr(args, "handler", None):
+                parser.print_help()
+                return EXIT_USER_ERROR
+            return int(args.handler(args) or 0)
+        except (SpeedtronicError, OSError) as exc:
+            if isinstance(exc, BrokenPipeError):
+                return _broken_pipe()
+            if debug:
+                raise
+            print(f"error: {_one_line(exc)}", file=sys.stderr)
+            return EXIT_USER_ERROR
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
 
 
-def run() -> Any:
-    sys.exit(main())
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if isinstance(exc, SpeedtronicError) else f"{type(exc).__name__}: {text}"
+
+
+def _broken_pipe() -> int:
+    # The reader went away (`speedtronic validate ... | head`): stop quietly, and keep Python
+    # from failing again while flushing stdout at exit.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 141

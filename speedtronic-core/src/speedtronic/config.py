@@ -22,12 +22,14 @@ from speedtronic.schema import (
     REDACTED,
     Section,
     build_section,
+    coerce,
     option,
     section_to_dict,
     unknown_key_error,
 )
 
 __all__ = [
+    "REDACTED",
     "CheckpointConfig",
     "CompileConfig",
     "DataConfig",
@@ -44,6 +46,8 @@ __all__ = [
 
 @dataclass
 class RunConfig(Section):
+    """The ``run`` section: what the run is called, where it runs and for how long."""
+
     name: str = option("speedtronic", help="Run name, used in logs and metric sinks.")
     seed: int = option(0, help="Seed for Python, NumPy, torch and the synthetic data stream.")
     device: Literal["auto", "cpu", "cuda", "mps"] = option(
@@ -64,6 +68,7 @@ class ModelConfig:
 
     @classmethod
     def from_mapping(cls, data: Any) -> ModelConfig:
+        """``{name: ..., **params}``; parameters may also be nested under ``params:``."""
         if data is None:
             data = {}
         if isinstance(data, ModelConfig):
@@ -74,17 +79,23 @@ class ModelConfig:
         name = params.pop("name", cls.name)
         if not isinstance(name, str) or not name:
             raise ConfigError("must be a non-empty string", "model.name")
-        nested = params.pop("params", None)
-        if isinstance(nested, Mapping):
+        if isinstance(params.get("params"), Mapping):
+            nested = params.pop("params")
+            for key in nested:
+                if key in params:
+                    raise ConfigError("given both directly and under model.params", f"model.{key}")
             params = {**dict(nested), **params}
         return cls(name=name, params=params)
 
     def to_dict(self) -> dict[str, Any]:
+        """``{name, **params}``, the flat form a config file uses."""
         return {"name": self.name, **self.params}
 
 
 @dataclass
 class DataConfig(Section):
+    """The ``data`` section: batch sizes (accumulation is derived) and the data source."""
+
     micro_batch_size: int = option(8, ge=1, help="Samples per forward/backward pass.")
     target_batch_size: int | None = option(
         None,
@@ -127,10 +138,12 @@ class DataConfig(Section):
 
 @dataclass
 class MuonConfig(Section):
+    """The ``optimizer.muon`` section: the Muon group, used when ``optimizer.name: muon``."""
+
     lr: float = option(0.02, gt=0, help="Learning rate of the Muon parameter group.")
     momentum: float = option(0.95, ge=0, lt=1, help="Muon momentum.")
     nesterov: bool = option(True, help="Nesterov momentum inside Muon.")
-    ns_steps: int = option(5, ge=1, help="Newton-Schulz iterations for orthogonalisation.")
+    ns_steps: int = option(5, ge=1, lt=100, help="Newton-Schulz iterations for orthogonalisation.")
     weight_decay: float = option(0.0, ge=0, help="Decoupled weight decay of the Muon group.")
     adjust_lr_fn: Literal["original", "match_rms_adamw"] | None = option(
         None, help="How torch.optim.Muon scales the lr by matrix shape (torch's default if null)."
@@ -139,6 +152,8 @@ class MuonConfig(Section):
 
 @dataclass
 class OptimizerConfig(Section):
+    """The ``optimizer`` section: AdamW (or Muon + AdamW) and gradient clipping."""
+
     name: Literal["adamw", "muon"] = option(
         "adamw", help="`adamw`, or `muon` (Muon on hidden matrices, AdamW on the rest)."
     )
@@ -158,7 +173,8 @@ class OptimizerConfig(Section):
     cautious: bool = option(
         False, help="Cautious masking around the base optimizer (Liang et al., 2024)."
     )
-    muon: MuonConfig = option(default_factory=MuonConfig, help="Muon group settings.")
+    # option() is dataclasses.field() with metadata, not a shared default (hence the noqa).
+    muon: MuonConfig = option(default_factory=MuonConfig, help="Muon group settings.")  # noqa: RUF009
 
     def validate(self) -> None:
         for i, beta in enumerate(self.betas):
@@ -168,6 +184,8 @@ class OptimizerConfig(Section):
 
 @dataclass
 class SchedulerConfig(Section):
+    """The ``scheduler`` section: the learning-rate schedule."""
+
     name: Literal["cosine", "constant"] = option("cosine", help="Learning-rate schedule.")
     warmup_steps: int = option(0, ge=0, help="Linear warmup steps from 0 to the peak lr.")
     min_lr_ratio: float = option(0.1, ge=0, le=1, help="Cosine floor as a fraction of peak lr.")
@@ -178,6 +196,8 @@ class SchedulerConfig(Section):
 
 @dataclass
 class PrecisionConfig(Section):
+    """The ``precision`` section: the compute dtype and loss scaling."""
+
     mode: Literal["auto", "bf16", "fp16", "fp32"] = option(
         "auto",
         help="`auto`: bf16 on capable CUDA, fp16 + GradScaler on other CUDA, fp32 on CPU/MPS.",
@@ -186,16 +206,24 @@ class PrecisionConfig(Section):
 
 @dataclass
 class CompileConfig(Section):
+    """The ``compile`` section: opt-in ``torch.compile``; a failure falls back to eager."""
+
     enabled: bool = option(False, help="Wrap the model with torch.compile.")
     mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = (
         option("default", help="torch.compile mode.")
     )
     fullgraph: bool = option(False, help="Require a single graph (torch.compile fullgraph).")
     dynamic: bool | None = option(None, help="torch.compile dynamic shapes (null = auto).")
+    backend: str = option(
+        "inductor",
+        help="torch.compile backend; `aot_eager` or `eager` compile fast, for debugging.",
+    )
 
 
 @dataclass
 class CheckpointConfig(Section):
+    """The ``checkpoint`` section: where, how often, how many, and resuming."""
+
     directory: str | None = option(
         None, help="Checkpoint directory; defaults to `<run.output_dir>/checkpoints`."
     )
@@ -214,13 +242,15 @@ class CheckpointConfig(Section):
 
 @dataclass
 class LoggingConfig(Section):
+    """The ``logging`` section: log level, metric files and extra metric hooks."""
+
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = option(
         "INFO", help="Log level of the `speedtronic` loggers."
     )
     file: str | None = option(None, help="Append human-readable metric lines to this file.")
     json_file: str | None = option(None, help="Append one JSON object per metric event here.")
     log_every: int = option(10, ge=1, help="Read the loss and emit a `step` event every N steps.")
-    hooks: list[str] = option(
+    hooks: list[str] = option(  # noqa: RUF009
         default_factory=list,
         help="Extra metric hooks as `module:attribute` import paths: callables "
         "`(event, payload)` or objects with `on_event`.",
@@ -247,13 +277,27 @@ def plugin_sections() -> dict[str, type]:
     from speedtronic.plugins import get_plugin_manager
 
     sections: dict[str, type] = {}
-    for contributed in get_plugin_manager().hook.config_sections():
-        for name, cls in (contributed or {}).items():
+    owners: dict[str, str] = {}
+    # Each implementation is called on its own so that an error can name the plugin.
+    for impl in get_plugin_manager().hook.config_sections.get_hookimpls():
+        contributed = impl.function()
+        if contributed is None:
+            continue
+        if not isinstance(contributed, Mapping):
+            raise PluginError(
+                f"plugin {impl.plugin_name!r}: config_sections must return a mapping, "
+                f"got {type(contributed).__name__}"
+            )
+        for name, cls in contributed.items():
+            where = f"plugin {impl.plugin_name!r}: config section {name!r}"
             if name in CORE_SECTIONS or name in TOP_LEVEL_KEYS or name in RUN_ALIASES:
-                raise PluginError(f"a plugin tried to redefine core config section {name!r}")
+                raise PluginError(f"{where} would redefine a core key")
+            if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+                raise PluginError(f"{where} must be a dataclass type, got {cls!r}")
             if name in sections and sections[name] is not cls:
-                raise PluginError(f"two plugins contribute config section {name!r}")
+                raise PluginError(f"{where} is also contributed by plugin {owners[name]!r}")
             sections[name] = cls
+            owners[name] = impl.plugin_name
     return sections
 
 
@@ -275,13 +319,13 @@ class SpeedtronicConfig:
     """Sections contributed by plugins, by name; also reachable as attributes."""
 
     def __getattr__(self, name: str) -> Any:
+        """Plugin sections as attributes: ``config.distributed``."""
         plugins = self.__dict__.get("plugins", {})
         if name in plugins:
             return plugins[name]
-        raise AttributeError(
-            f"SpeedtronicConfig has no section {name!r}"
-            + _provider_hint(name, in_config=False)
-        )
+        if name.startswith("_"):  # copy/pickle probing for __deepcopy__ and friends
+            raise AttributeError(name)
+        raise AttributeError(f"SpeedtronicConfig has no section {name!r}" + _provider_hint(name))
 
     # ----------------------------------------------------------------- loading
     @classmethod
@@ -307,9 +351,9 @@ class SpeedtronicConfig:
                 kwargs[name] = build_section(section_cls, data.get(name), name)
         kwargs["model"] = ModelConfig.from_mapping(data.get("model"))
         try:
-            from speedtronic.schema import coerce
-
-            kwargs["gradient_checkpointing"] = coerce(data.get("gradient_checkpointing", False), bool)
+            kwargs["gradient_checkpointing"] = coerce(
+                data.get("gradient_checkpointing", False), bool
+            )
         except ConfigError as exc:
             raise exc.under("gradient_checkpointing") from None
         kwargs["plugins"] = {
@@ -350,9 +394,10 @@ class SpeedtronicConfig:
             return cls.from_file(source)
         if isinstance(source, str):
             stripped = source.strip()
-            if "\n" in stripped or stripped.startswith(("{", "[")) or ":" in stripped:
-                if not Path(stripped).exists():
-                    return cls.from_string(source)
+            if "\n" in stripped or stripped.startswith(("{", "[")):
+                return cls.from_string(source)
+            if ":" in stripped and not _is_file(stripped):  # `name: x` rather than a path
+                return cls.from_string(source)
             return cls.from_file(stripped)
         raise ConfigError(f"cannot load a config from {type(source).__name__}")
 
@@ -378,9 +423,11 @@ class SpeedtronicConfig:
         return out
 
     def to_yaml(self, redact: bool = False) -> str:
+        """The config as a YAML document (loadable again with :meth:`from_string`)."""
         return yaml.safe_dump(self.to_dict(redact), sort_keys=False)
 
     def to_json(self, redact: bool = False) -> str:
+        """The config as a JSON document (loadable again with :meth:`from_string`)."""
         return json.dumps(self.to_dict(redact), indent=2)
 
     def save(self, path: str | os.PathLike[str]) -> Path:
@@ -395,6 +442,7 @@ class SpeedtronicConfig:
     # ----------------------------------------------------------------- derived
     @property
     def output_dir(self) -> Path:
+        """``run.output_dir`` as a path."""
         return Path(self.run.output_dir)
 
     @property
@@ -405,10 +453,17 @@ class SpeedtronicConfig:
         return self.output_dir / "checkpoints"
 
 
-def _provider_hint(key: str, in_config: bool = True) -> str:
+def _provider_hint(key: str) -> str:
     from speedtronic.plugins import missing_provider_hint
 
     return missing_provider_hint(key)
+
+
+def _is_file(text: str) -> bool:
+    try:
+        return Path(text).is_file()
+    except OSError:  # e.g. a name too long to be a path
+        return False
 
 
 def _read_mapping(path: Path, yaml_ok: bool) -> Any:
@@ -421,9 +476,31 @@ def _read_mapping(path: Path, yaml_ok: bool) -> Any:
     return _parse(text, str(path), yaml_ok)
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """A safe YAML loader that rejects duplicate keys (the later one would silently win)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, str) and key in seen:
+                mark = key_node.start_mark
+                raise ConfigError(
+                    f"duplicate key {key!r} at line {mark.line + 1}, column {mark.column + 1}"
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def _parse(text: str, origin: str, yaml_ok: bool) -> Any:
     try:
-        data = yaml.safe_load(text) if yaml_ok else json.loads(text)
+        data = yaml.load(text, Loader=_StrictLoader) if yaml_ok else json.loads(text)
+    except ConfigError as exc:
+        raise ConfigError(f"cannot parse {origin}: {exc}") from None
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise ConfigError(f"cannot parse {origin}: {exc.problem or exc.context}{where}") from None
     except (yaml.YAMLError, json.JSONDecodeError) as exc:
         detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ConfigError(f"cannot parse {origin}: {detail}") from None
@@ -442,7 +519,7 @@ def _split_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
             raise ConfigError(f"override {raw!r} must look like dotted.key=value")
         try:
             parsed = yaml.safe_load(value) if value.strip() else ""
-        except yaml.YAMLError:
+        except yaml.YAMLError:  # not YAML (e.g. "a: b: c"): take the text as it is
             parsed = value
         items.append((key.strip(), parsed))
     return items
@@ -458,7 +535,9 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
         if child is None:
             child = node[part] = {}
         if not isinstance(child, dict):
-            raise ConfigError("cannot set a key inside a non-section value", ".".join(parts[: i + 1]))
+            raise ConfigError(
+                "cannot set a key inside a non-section value", ".".join(parts[: i + 1])
+            )
         node = child
     node[parts[-1]] = value
 
@@ -470,6 +549,3 @@ def __getattr__(name: str) -> Any:
 
         return import_plugin_attr("speedtronic_diloco", "DistributedConfig", "speedtronic-diloco")
     raise AttributeError(f"module 'speedtronic.config' has no attribute {name!r}")
-
-
-__all__ += ["REDACTED"]

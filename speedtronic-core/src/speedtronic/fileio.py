@@ -11,6 +11,7 @@ import hashlib
 import os
 import tempfile
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
 
@@ -25,6 +26,15 @@ def fsync_dir(directory: str | os.PathLike[str]) -> None:
         os.fsync(fd)
     except OSError:
         pass
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: str | os.PathLike[str]) -> None:
+    """Flush a file that was written through another handle (or by a library) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -68,8 +78,7 @@ def atomic_write_with(path: str | os.PathLike[str], write: Callable[[str], None]
     os.close(fd)
     try:
         write(tmp_name)
-        with open(tmp_name, "rb+") as handle:
-            os.fsync(handle.fileno())
+        fsync_file(tmp_name)
         os.replace(tmp_name, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -85,3 +94,37 @@ def sha256_file(path: str | os.PathLike[str], chunk_size: int = 1 << 20) -> str:
         while chunk := handle.read(chunk_size):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def sha256_chunks(
+    path: str | os.PathLike[str], chunk_bytes: int = 32 << 20, workers: int | None = None
+) -> list[str]:
+    """Hex sha256 of each ``chunk_bytes`` slice of a file, hashed on several threads.
+
+    hashlib and ``os.pread`` release the GIL, so a big file hashes at several times the speed
+    of :func:`sha256_file` on a multi-core machine. An empty file has one (empty) chunk.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        offsets = list(range(0, size, chunk_bytes)) or [0]
+
+        def digest(offset: int) -> str:
+            hasher = hashlib.sha256()
+            end = min(offset + chunk_bytes, size)
+            while offset < end:
+                data = os.pread(fd, min(4 << 20, end - offset), offset)
+                if not data:
+                    raise OSError(f"{path} shrank while it was being hashed")
+                hasher.update(data)
+                offset += len(data)
+            return hasher.hexdigest()
+
+        threads = min(len(offsets), workers or os.cpu_count() or 1, 16)
+        if threads <= 1:
+            return [digest(offset) for offset in offsets]
+        with ThreadPoolExecutor(threads, thread_name_prefix="sha256") as pool:
+            return list(pool.map(digest, offsets))
+    finally:
+        os.close(fd)
+

@@ -2,7 +2,8 @@
 
 A plugin is any module or object carrying functions marked with :data:`hookimpl` whose names
 match the specs below. Third-party distributions register a module through the entry-point
-group ``speedtronic``; implementations may accept any subset of a hook's arguments.
+group ``speedtronic``; implementations may accept any subset of a hook's arguments, by name.
+These docstrings are the hook reference: ``docs/hooks.md`` is generated from them.
 """
 
 from __future__ import annotations
@@ -17,28 +18,33 @@ hookimpl = pluggy.HookimplMarker("speedtronic")
 
 @hookspec(firstresult=True)
 def build_model(name: str, params: dict[str, Any]) -> Any:
-    """Build the model registered as ``name`` from ``params`` (the ``model`` section minus ``name``).
+    """Build the model called ``name`` from ``params`` (the ``model`` section minus ``name``).
 
     Return an ``nn.Module`` when this plugin knows ``name``, otherwise ``None`` so the next
-    plugin is asked. The first non-``None`` answer wins.
+    plugin is asked; the first non-``None`` answer wins and no plugin answering is a config
+    error. List the names you answer for in a module-level ``MODEL_NAMES`` tuple so that error
+    can suggest them. Import heavy dependencies (torch, your model code) inside the function:
+    discovering plugins should stay cheap.
     """
 
 
 @hookspec
 def config_sections() -> dict[str, type]:
-    """Contribute top-level config sections: a mapping of section name to a dataclass type.
+    """Contribute top-level config sections: return a mapping of section name to dataclass.
 
-    Called once when the config schema is assembled. Each dataclass is validated as strictly as
-    core's own sections (unknown keys, types, ``__post_init__`` checks). A section given in a
-    config that no plugin contributes is an error.
+    Called whenever a config is validated. Subclass ``speedtronic.schema.Section`` and declare
+    fields with ``speedtronic.schema.option(default, help=..., ge=..., secret=...)`` so the
+    section is checked as strictly as core's own (types, bounds, unknown keys) and secrets are
+    redacted. The validated section is ``config.<name>``. A section in a config file that no
+    plugin contributes is an error; so is contributing a core section's name.
     """
 
 
 @hookspec
 def on_train_start(trainer: Any) -> None:
-    """Called once per ``Trainer.fit`` after the model, optimizer and any resumed state are ready
-    and before the first step. Plugin state restored through :func:`on_load_checkpoint` has
-    already been delivered."""
+    """Called once per ``Trainer.fit``, before the first step, when the model, optimizer and
+    any resumed state are ready (after :func:`on_load_checkpoint` on resume). Read your config
+    section from ``trainer.config`` and start what you need here; raising aborts the run."""
 
 
 @hookspec
@@ -52,9 +58,10 @@ def after_optimizer_step(trainer: Any, model: Any, step: int) -> bool | None:
     """Called after every real optimizer step (a step skipped by the GradScaler does not count)
     with the new global ``step``.
 
-    Return ``True`` when the plugin replaced the model's weights. The trainer then clears the
-    optimizer state, unless a plugin set ``trainer.reset_optimizer_on_weight_replace = False``
-    (for example in :func:`on_train_start`).
+    Return ``True`` when the plugin replaced the model's weights; anything else means "not
+    replaced". The trainer then clears the optimizer state, unless a plugin set
+    ``trainer.reset_optimizer_on_weight_replace = False`` (for example in
+    :func:`on_train_start`).
     """
 
 
@@ -67,23 +74,26 @@ def on_checkpoint(trainer: Any, state: dict[str, Any]) -> None:
 
 @hookspec
 def on_load_checkpoint(trainer: Any, state: dict[str, Any]) -> None:
-    """Called on resume, before :func:`on_train_start`, with the plugin-state mapping that
+    """Called on resume, before :func:`on_train_start`, with the mapping that
     :func:`on_checkpoint` filled when the checkpoint was written. Restore your state from your
     own key; a missing key means the checkpoint predates the plugin."""
 
 
 @hookspec
 def on_metric(event: str, payload: dict[str, Any]) -> None:
-    """Receive one metric event (``"train_start"``, ``"step"``, ``"train_end"``,
-    ``"optimizer_step_skipped"``, plugin events such as ``"outer_step"``...). ``payload`` is a
-    flat mapping of JSON-compatible values and carries ``step`` where one applies. Sinks must not
-    mutate it."""
+    """Receive one metric event: ``"train_start"``, ``"step"``, ``"checkpoint"``,
+    ``"train_end"``, ``"optimizer_step_skipped"``, or a plugin event such as ``"outer_step"``.
+
+    ``payload`` is a mapping of JSON-compatible values that carries ``step`` where one applies;
+    do not mutate it. An exception here is logged once per plugin and never stops training.
+    """
 
 
 @hookspec
 def register_commands(subparsers: Any) -> None:
-    """Add subcommands to the ``speedtronic`` CLI. ``subparsers`` is the argparse
-    sub-parser action; set ``handler=callable(args) -> int`` with ``set_defaults``."""
+    """Add subcommands to the ``speedtronic`` CLI. ``subparsers`` is the argparse sub-parser
+    action: call ``subparsers.add_parser(...)`` and ``set_defaults(handler=fn)``, where
+    ``fn(args)`` returns the exit code. Raise ``SpeedtronicError`` for user errors."""
 
 
 @hookspec(firstresult=True)
@@ -91,5 +101,5 @@ def data_seed(config: Any, seed: int) -> int | None:
     """Return a replacement seed for the run's data stream, or ``None`` to keep ``seed``.
 
     Lets a plugin give each participant of a multi-node run its own samples (DumbDiLoCo derives
-    it from the node id) without touching the user's config.
+    it from the node id) without touching the user's config. The first non-``None`` answer wins.
     """

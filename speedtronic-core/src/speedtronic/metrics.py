@@ -1,9 +1,10 @@
 """Metric events and their sinks: stdout (rich), a text file, a JSONL file, hooks and plugins.
 
-A metric event is ``(event, payload)``: ``event`` names what happened (``"step"``,
-``"train_start"``, ``"train_end"``, ``"optimizer_step_skipped"``, plugin events such as
-``"outer_step"``) and ``payload`` is a flat mapping of JSON-compatible values. A sink that fails
-is reported once and then skipped; metrics never stop training.
+A metric event is ``(event, payload)``: ``event`` names what happened (``"train_start"``,
+``"step"``, ``"checkpoint"``, ``"optimizer_step_skipped"``, ``"train_end"``, plugin events such
+as ``"outer_step"``) and ``payload`` is a mapping of JSON-compatible values carrying ``step``
+where one applies. A sink that fails is reported once and then skipped: metrics never stop
+training.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TextIO
+
+from speedtronic.errors import ConfigError
 
 log = logging.getLogger("speedtronic.metrics")
 
@@ -25,104 +28,154 @@ Hook = Callable[[str, dict[str, Any]], None]
 
 
 class EventSink(Protocol):
+    """Anything with ``on_event(event, payload)``; an optional ``close()`` is called at the end."""
+
     def on_event(self, event: str, payload: dict[str, Any]) -> None: ...
 
 
 def format_payload(payload: dict[str, Any]) -> str:
-    """``key=value`` pairs with compact numbers, for human-readable lines."""
+    """``key=value`` pairs with compact numbers; nested values are left out."""
     parts = []
     for key, value in payload.items():
+        if isinstance(value, (dict, list, tuple)):
+            continue
         if isinstance(value, float):
             text = f"{value:.4g}" if math.isfinite(value) else str(value)
-        elif isinstance(value, (dict, list)):
-            continue
         else:
             text = str(value)
         parts.append(f"{key}={text}")
     return " ".join(parts)
 
 
-class TextFileSink:
-    """Appends ``event key=value ...`` lines to a file."""
+def json_safe(value: Any) -> Any:
+    """``value`` with NaN/inf floats replaced by ``None``, so every line is strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+class _AppendingFile:
+    """A text file opened for appending on first use and again after ``close()``, so one sink
+    can serve several ``fit`` calls."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self._handle = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self.path = Path(path)
+        self._handle: TextIO | None = None
 
-    def on_event(self, event: str, payload: dict[str, Any]) -> None:
-        self._handle.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {event} "
-                           f"{format_payload(payload)}\n")
+    def write_line(self, line: str) -> None:
+        if self._handle is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._handle = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - see close()
+        self._handle.write(line + "\n")
+        # Flushed per event: events are rare (log cadence) and a crash should not lose them.
         self._handle.flush()
 
     def close(self) -> None:
-        self._handle.close()
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+
+class TextFileSink:
+    """Appends ``<time> <event> key=value ...`` lines to a file (``logging.file``)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self._file = _AppendingFile(path)
+        self.path = self._file.path
+
+    def on_event(self, event: str, payload: dict[str, Any]) -> None:
+        """Write one line."""
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+        self._file.write_line(f"{stamp} {event} {format_payload(payload)}")
+
+    def close(self) -> None:
+        """Close the file (it reopens if another event arrives)."""
+        self._file.close()
 
 
 class JsonlSink:
-    """Appends one JSON object per event: ``{"event": ..., "time": ..., **payload}``."""
+    """Appends one JSON object per event, ``{"event", "time", **payload}``
+    (``logging.json_file``)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self._handle = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._file = _AppendingFile(path)
+        self.path = self._file.path
 
     def on_event(self, event: str, payload: dict[str, Any]) -> None:
-        record = {"event": event, "time": time.time(), **payload}
-        self._handle.write(json.dumps(record, default=str) + "\n")
-        self._handle.flush()
+        """Write one JSON line."""
+        record = json_safe({"event": event, "time": time.time(), **payload})
+        self._file.write_line(json.dumps(record, default=str, allow_nan=False))
 
     def close(self) -> None:
-        self._handle.close()
+        """Close the file (it reopens if another event arrives)."""
+        self._file.close()
 
 
 class ConsoleSink:
-    """stdout: a rich progress bar with ETA on a terminal, plain lines otherwise."""
+    """stdout: a rich progress bar with ETA on a terminal, plain ``event key=value`` lines
+    otherwise (pipes, files, CI logs)."""
 
-    def __init__(self, total_steps: int, progress: bool = True, stream: Any = None) -> None:
-        self.stream = stream or sys.stdout
+    def __init__(self, total_steps: int | None = None, progress: bool = True,
+                 stream: TextIO | None = None) -> None:
+        self.stream = stream if stream is not None else sys.stdout
         self.total_steps = total_steps
+        isatty = getattr(self.stream, "isatty", None)
+        self.interactive = bool(progress and callable(isatty) and isatty())
         self._progress: Any = None
         self._task: Any = None
-        if progress and getattr(self.stream, "isatty", lambda: False)():
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeElapsedColumn,
-                TimeRemainingColumn,
-            )
-
-            self._progress = Progress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                TextColumn("{task.fields[info]}"), transient=False,
-            )
 
     def on_event(self, event: str, payload: dict[str, Any]) -> None:
-        if self._progress is not None:
-            if event == "train_start":
-                self._progress.start()
-                self._task = self._progress.add_task(
-                    "train", total=self.total_steps, completed=payload.get("start_step", 0),
-                    info="",
-                )
-            elif event == "step" and self._task is not None:
-                self._progress.update(
-                    self._task, completed=payload["step"],
-                    info=f"loss {payload.get('loss', float('nan')):.4f}",
-                )
-            elif event not in ("step", "train_start"):
-                self._progress.console.print(f"{event} {format_payload(_brief(payload))}")
+        """Advance the bar on ``step`` events; print everything else as a line."""
+        if not self.interactive:
+            self.stream.write(f"{event} {format_payload(payload)}\n")
+            self.stream.flush()
             return
-        print(f"{event} {format_payload(_brief(payload))}", file=self.stream, flush=True)
+        if event == "train_start":
+            self._start_bar(payload)
+        if event == "step" and self._task is not None:
+            loss = payload.get("loss")
+            info = f"loss {loss:.4f}" if isinstance(loss, float) else ""
+            self._progress.update(self._task, completed=payload.get("step", 0), info=info)
+        elif self._progress is not None:
+            self._progress.console.print(f"{event} {format_payload(payload)}", highlight=False)
+        else:
+            self.stream.write(f"{event} {format_payload(payload)}\n")
+        if event == "train_end":
+            self.close()
+
+    def _start_bar(self, payload: dict[str, Any]) -> None:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self.close()
+        self._progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"), console=Console(file=self.stream),
+        )
+        self._progress.start()
+        self._task = self._progress.add_task(
+            "train", total=payload.get("max_steps", self.total_steps),
+            completed=payload.get("start_step", 0), info="",
+        )
 
     def close(self) -> None:
+        """Stop the progress bar, leaving its last state on screen."""
         if self._progress is not None:
             self._progress.stop()
-
-
-def _brief(payload: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in payload.items() if not isinstance(v, (dict, list))}
+        self._progress = None
+        self._task = None
 
 
 class _CallableSink:
@@ -132,10 +185,13 @@ class _CallableSink:
     def on_event(self, event: str, payload: dict[str, Any]) -> None:
         self.fn(event, payload)
 
+    def __repr__(self) -> str:
+        return f"hook {getattr(self.fn, '__qualname__', repr(self.fn))}"
+
 
 def as_sink(hook: Any) -> EventSink:
     """Accept an object with ``on_event`` or a callable ``(event, payload)``."""
-    if hasattr(hook, "on_event"):
+    if callable(getattr(hook, "on_event", None)):
         return hook
     if callable(hook):
         return _CallableSink(hook)
@@ -143,11 +199,9 @@ def as_sink(hook: Any) -> EventSink:
 
 
 def import_hook(path: str) -> Any:
-    """Resolve a ``module:attribute`` path from ``logging.hooks``."""
-    from speedtronic.errors import ConfigError
-
+    """Resolve a ``module:attribute`` path from ``logging.hooks`` (a class is instantiated)."""
     module_name, sep, attr = path.partition(":")
-    if not sep:
+    if not sep or not module_name or not attr:
         raise ConfigError(f"{path!r} must look like module:attribute", "logging.hooks")
     try:
         target = getattr(importlib.import_module(module_name), attr)
@@ -159,16 +213,15 @@ def import_hook(path: str) -> Any:
 class MetricLogger:
     """Fans each metric event out to its sinks and to the plugins' ``on_metric`` hook.
 
-    ``hooks`` are extra sinks: callables ``(event, payload)`` or objects with ``on_event``.
-    Each plugin implementation is called on its own, so one failing sink never starves the
-    others; a failure is warned about once per sink and never reaches the training loop.
+    ``hooks`` are sinks: callables ``(event, payload)`` or objects with ``on_event`` (and an
+    optional ``close``). Every sink and plugin is called on its own, so one failing sink never
+    starves the others; a failure is warned about once per sink and never reaches the loop.
     """
 
     def __init__(self, hooks: Iterable[Any] = (), *, plugin_manager: Any = None) -> None:
         self.sinks: list[EventSink] = [as_sink(h) for h in hooks]
         self.plugin_manager = plugin_manager
         self._warned: set[str] = set()
-        self._closed = False
 
     def add(self, sink: Any) -> None:
         """Add one more sink (callable or object with ``on_event``)."""
@@ -178,11 +231,14 @@ class MetricLogger:
         """Deliver one event to every sink and plugin."""
         for sink in self.sinks:
             self._deliver(repr(sink), sink.on_event, event, payload)
-        if self.plugin_manager is not None:
-            for impl in self.plugin_manager.hook.on_metric.get_hookimpls():
-                kwargs = {"event": event, "payload": payload}
-                args = [kwargs[name] for name in impl.argnames]
-                self._deliver(f"plugin {impl.plugin_name}", impl.function, *args)
+        if self.plugin_manager is None:
+            return
+        for impl in self.plugin_manager.hook.on_metric.get_hookimpls():
+            if getattr(impl, "hookwrapper", False) or getattr(impl, "wrapper", False):
+                continue  # wrappers only make sense around a full hook call
+            arguments = {"event": event, "payload": payload}
+            self._deliver(f"plugin {impl.plugin_name}", impl.function,
+                          *(arguments[name] for name in impl.argnames))
 
     def _deliver(self, label: str, fn: Callable[..., Any], *args: Any) -> None:
         try:
@@ -194,11 +250,9 @@ class MetricLogger:
                             label, type(exc).__name__, exc)
 
     def close(self) -> None:
-        """Close every sink that has ``close()`` (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
+        """Close every sink that has ``close()``; safe to call again (file sinks reopen if
+        more events arrive, e.g. from a second ``fit``)."""
         for sink in self.sinks:
             close = getattr(sink, "close", None)
-            if close is not None:
+            if callable(close):
                 self._deliver(f"{sink!r} (close)", close)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from speedtronic.config import OptimizerConfig, SchedulerConfig
+from speedtronic.errors import SpeedtronicError
 
 log = logging.getLogger("speedtronic.optim")
 
@@ -55,7 +56,13 @@ def decay_groups(model: nn.Module, config: OptimizerConfig) -> list[dict[str, An
 def build_adamw(groups: list[dict[str, Any]], config: OptimizerConfig,
                 device: torch.device) -> torch.optim.Optimizer:
     """AdamW, fused when it constructs on CUDA (unless ``fused: false``), else the default."""
+    groups = list(groups)
+    if not any(group["params"] if isinstance(group, dict) else True for group in groups):
+        raise SpeedtronicError("the model has no trainable parameters (none requires grad)")
     kwargs = {"lr": config.lr, "betas": tuple(config.betas), "eps": config.eps}
+    if config.fused and device.type != "cuda":
+        log.info("optimizer.fused applies to CUDA only; using the default AdamW on %s",
+                 device.type)
     if device.type == "cuda" and config.fused is not False:
         try:
             optimizer = torch.optim.AdamW(groups, fused=True, **kwargs)
@@ -68,6 +75,7 @@ def build_adamw(groups: list[dict[str, Any]], config: OptimizerConfig,
 
 
 def log_groups(optimizer: torch.optim.Optimizer) -> None:
+    """Log each parameter group: optimizer, lr, weight decay and the first parameter names."""
     for group in optimizer.param_groups:
         names = group.get("param_names") or []
         log.info(
@@ -81,10 +89,20 @@ def log_groups(optimizer: torch.optim.Optimizer) -> None:
 def build_optimizer(model: nn.Module, config: OptimizerConfig,
                     device: torch.device) -> torch.optim.Optimizer:
     """The configured optimizer over ``model``'s trainable parameters."""
-    custom = getattr(model, "optimizer_param_groups", None)
-    groups = custom(config) if callable(custom) else decay_groups(model, config)
-    optimizer = build_adamw(groups, config, device)
-    log_groups(optimizer)
+    if config.name == "muon":
+        from speedtronic.muon import build_muon_optimizer
+
+        optimizer: torch.optim.Optimizer = build_muon_optimizer(model, config, device)
+    else:
+        custom = getattr(model, "optimizer_param_groups", None)
+        groups = custom(config) if callable(custom) else decay_groups(model, config)
+        optimizer = build_adamw(groups, config, device)
+        log_groups(optimizer)
+    if config.cautious:
+        from speedtronic.cautious import CautiousOptimizer
+
+        log.info("cautious masking on around %s", type(optimizer).__name__)
+        optimizer = CautiousOptimizer(optimizer)
     return optimizer
 
 

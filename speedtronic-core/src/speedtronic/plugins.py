@@ -1,17 +1,23 @@
 """The plugin manager: built-in plugins, entry-point discovery, and the plugin listing.
 
-Built-in features (the model registry, the stdout/file/JSONL metric sinks) are registered
-exactly like third-party plugins. Entry points in the ``speedtronic`` group are loaded lazily on
-first use. ``SPEEDTRONIC_LOAD_PLUGINS`` restricts loading: unset loads every installed plugin,
-an empty string loads none, and a comma-separated list loads only those entry-point names or
-distributions.
+Built-in plugins are registered exactly like third-party ones. Entry points in the
+``speedtronic`` group are loaded once, on first use of the plugin manager, never at
+``import speedtronic``. A plugin that fails to import (or implements a hook that does not exist)
+is reported in one warning naming its entry point and distribution, and the run goes on
+without it.
+
+``SPEEDTRONIC_LOAD_PLUGINS`` restricts loading, for debugging: unset loads every installed
+plugin, an empty string loads none (built-ins only), and a comma-separated list loads only the
+entry points or distributions it names.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import logging
 import os
+import re
 import threading
 from dataclasses import dataclass
 from importlib import metadata
@@ -25,11 +31,15 @@ log = logging.getLogger("speedtronic.plugins")
 
 ENTRY_POINT_GROUP = "speedtronic"
 LOAD_PLUGINS_ENV = "SPEEDTRONIC_LOAD_PLUGINS"
+CORE_DISTRIBUTION = "speedtronic-core"
 
+# The stdout/file/JSONL metric sinks are not here on purpose: they are per-run objects built
+# from the `logging` section and owned by the run's MetricLogger. `on_metric` carries no run,
+# so a module-level sink would have to keep process-global state shared by every run.
 DEFAULT_PLUGINS: tuple[str, ...] = ("speedtronic.registry",)
 
-# Config sections and names that first-party distributions provide, so an error can say which
-# distribution to install when the section or name is used without it.
+# Config sections and model names that first-party distributions provide, so an error can say
+# which distribution to install when one is used without it.
 KNOWN_PROVIDERS: dict[str, str] = {
     "distributed": "speedtronic-diloco",
     "wandb": "speedtronic-logging",
@@ -40,9 +50,11 @@ KNOWN_PROVIDERS: dict[str, str] = {
 pm = pluggy.PluginManager("speedtronic")
 pm.add_hookspecs(hookspecs)
 
-_lock = threading.Lock()
+# Re-entrant: a plugin module may touch the plugin manager while it is being imported.
+_lock = threading.RLock()
 _loaded = False
-_failures: dict[str, str] = {}
+_failures: dict[str, FailedPlugin] = {}
+_skipped: dict[str, str] = {}
 _plugin_distributions: dict[str, tuple[str, str]] = {}
 
 
@@ -54,13 +66,30 @@ class PluginInfo:
     distribution: str
     version: str
     hooks: tuple[str, ...]
+    error: str = ""
 
 
-def _wanted() -> set[str] | None:
+@dataclass(frozen=True)
+class FailedPlugin:
+    """An entry point that could not be loaded, and why."""
+
+    name: str
+    distribution: str
+    version: str
+    error: str
+
+
+def normalize_distribution(name: str) -> str:
+    """PEP 503 normalisation, so ``Speedtronic_Diloco`` and ``speedtronic-diloco`` compare equal."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def load_filter() -> set[str] | None:
+    """The names allowed by ``SPEEDTRONIC_LOAD_PLUGINS`` (normalised), or None when unset."""
     raw = os.environ.get(LOAD_PLUGINS_ENV)
     if raw is None:
         return None
-    return {item.strip() for item in raw.split(",") if item.strip()}
+    return {normalize_distribution(item.strip()) for item in raw.split(",") if item.strip()}
 
 
 def load_plugins() -> pluggy.PluginManager:
@@ -74,30 +103,62 @@ def load_plugins() -> pluggy.PluginManager:
             module = importlib.import_module(module_name)
             if not pm.is_registered(module):
                 pm.register(module, name=module_name)
-                _plugin_distributions[module_name] = ("speedtronic-core", _version("speedtronic-core"))
-        wanted = _wanted()
+            _plugin_distributions[module_name] = (CORE_DISTRIBUTION, _version(CORE_DISTRIBUTION))
+        wanted = load_filter()
+        matched: set[str] = set()
         for entry_point in metadata.entry_points(group=ENTRY_POINT_GROUP):
             dist_name = entry_point.dist.name if entry_point.dist else "unknown"
-            if wanted is not None and entry_point.name not in wanted and dist_name not in wanted:
+            version = entry_point.dist.version if entry_point.dist else "unknown"
+            keys = {normalize_distribution(entry_point.name), normalize_distribution(dist_name)}
+            if wanted is not None and not keys & wanted:
+                _skipped[entry_point.name] = dist_name
                 continue
-            if pm.get_plugin(entry_point.name) is not None:
-                continue
-            try:
-                plugin = entry_point.load()
-                pm.register(plugin, name=entry_point.name)
-            except Exception as exc:  # a broken plugin must not take the run down with it
-                message = f"{type(exc).__name__}: {exc}"
-                _failures[entry_point.name] = dist_name
+            matched |= keys
+            if pm.has_plugin(entry_point.name):
                 log.warning(
-                    "plugin %r from distribution %s failed to load (%s); continuing without it",
+                    "plugin %r from distribution %s is ignored: a plugin of that name is "
+                    "already registered",
                     entry_point.name,
                     dist_name,
-                    message,
                 )
                 continue
-            version = entry_point.dist.version if entry_point.dist else "unknown"
-            _plugin_distributions[entry_point.name] = (dist_name, version)
+            _load_entry_point(entry_point, dist_name, version)
+        for name in sorted((wanted or set()) - matched):
+            log.warning("%s names %r, which is not an installed plugin", LOAD_PLUGINS_ENV, name)
     return pm
+
+
+def _load_entry_point(entry_point: Any, dist_name: str, version: str) -> None:
+    try:
+        plugin = entry_point.load()
+        pm.register(plugin, name=entry_point.name)
+    except Exception as exc:  # a broken plugin must not take the run down with it
+        _fail(entry_point.name, dist_name, version, f"{type(exc).__name__}: {exc}")
+        return
+    unknown = sorted(c.name for c in pm.get_hookcallers(plugin) or [] if not c.has_spec())
+    if unknown:
+        pm.unregister(plugin)
+        _fail(entry_point.name, dist_name, version, _unknown_hooks_message(unknown))
+        return
+    _plugin_distributions[entry_point.name] = (dist_name, version)
+
+
+def _unknown_hooks_message(unknown: list[str]) -> str:
+    parts = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, hook_names(), n=1)
+        parts.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return "implements unknown hook " + ", ".join(parts)
+
+
+def _fail(name: str, dist_name: str, version: str, error: str) -> None:
+    _failures[name] = FailedPlugin(name, dist_name, version, error)
+    log.warning(
+        "plugin %r from distribution %s failed to load (%s); continuing without it",
+        name,
+        dist_name,
+        error.splitlines()[0] if error else "unknown error",
+    )
 
 
 def get_plugin_manager() -> pluggy.PluginManager:
@@ -105,12 +166,21 @@ def get_plugin_manager() -> pluggy.PluginManager:
     return load_plugins()
 
 
+def hook_names() -> list[str]:
+    """Names of every hook in :mod:`speedtronic.hookspecs`, in definition order."""
+    return [
+        name
+        for name, value in vars(hookspecs).items()
+        if callable(value) and hasattr(value, "speedtronic_spec")
+    ]
+
+
 def register(plugin: Any, name: str | None = None, distribution: str = "in-process") -> str:
     """Register an in-process plugin object or module (tests, notebooks, scripts)."""
     load_plugins()
     registered = pm.register(plugin, name=name)
     if registered is None:
-        raise ValueError(f"plugin {name or plugin!r} is already registered")
+        raise ValueError(f"plugin {name or plugin!r} is blocked")
     _plugin_distributions[registered] = (distribution, "")
     return registered
 
@@ -123,31 +193,70 @@ def unregister(name: str) -> None:
     _plugin_distributions.pop(name, None)
 
 
-def failed_plugins() -> dict[str, str]:
-    """Entry points that failed to import, mapped to their distribution."""
+def failed_plugins() -> list[FailedPlugin]:
+    """Entry points that failed to load, in discovery order."""
     load_plugins()
-    return dict(_failures)
+    return list(_failures.values())
 
 
 def missing_provider_hint(key: str) -> str:
-    """A sentence telling which distribution provides ``key``, or an empty string."""
+    """A parenthesised sentence saying which distribution would provide ``key``, or ``""``.
+
+    ``key`` is a config section or model name that nothing loaded provides. The hint covers a
+    first-party distribution that is not installed, installed but failed to load, excluded by
+    ``SPEEDTRONIC_LOAD_PLUGINS``, or installed in a version without it; and any third-party
+    plugin that failed to load and might have provided it.
+    """
+    load_plugins()
     dist = KNOWN_PROVIDERS.get(key)
-    if dist is None:
-        return ""
-    if dist in _failures.values():
-        return f" (provided by {dist}, which is installed but failed to load; see the warning above)"
-    return f" (provided by {dist}: pip install {dist})"
+    if dist is not None:
+        wanted = normalize_distribution(dist)
+        failed = [f for f in _failures.values() if normalize_distribution(f.distribution) == wanted]
+        if failed:
+            return (
+                f" (provided by {dist}, which is installed but failed to load: "
+                f"{failed[0].error}; reinstall it with pip install --force-reinstall {dist})"
+            )
+        if any(normalize_distribution(d) == wanted for d in _skipped.values()):
+            return (
+                f" (provided by {dist}, which is installed but not loaded because "
+                f"{LOAD_PLUGINS_ENV}={os.environ.get(LOAD_PLUGINS_ENV, '')!r})"
+            )
+        version = _version(dist)
+        if version != "unknown":
+            return (
+                f" (expected from {dist}, but the installed version {version} does not provide "
+                f"it; pip install --upgrade {dist})"
+            )
+        return f" (provided by {dist}: pip install {dist})"
+    same_name = _failures.get(key)
+    if same_name is not None:
+        return (
+            f" (plugin {key!r} from {same_name.distribution} failed to load: {same_name.error}; "
+            f"fix or reinstall {same_name.distribution})"
+        )
+    if _failures:
+        names = ", ".join(f"{f.name!r} from {f.distribution}" for f in _failures.values())
+        return f" (plugins that failed to load and may provide it: {names})"
+    return ""
 
 
 def list_plugins() -> list[PluginInfo]:
-    """Every registered plugin with its distribution, version and implemented hooks."""
+    """Every registered plugin, then every failed one, with distribution, version and hooks."""
     load_plugins()
     rows = []
     for name, plugin in pm.list_name_plugin():
+        if plugin is None:  # a blocked name
+            continue
         hooks = tuple(sorted(caller.name for caller in pm.get_hookcallers(plugin) or []))
         dist, version = _plugin_distributions.get(name, ("in-process", ""))
         rows.append(PluginInfo(name=name, distribution=dist, version=version, hooks=hooks))
-    return sorted(rows, key=lambda row: row.name)
+    rows.sort(key=lambda row: row.name)
+    failed = [
+        PluginInfo(f.name, f.distribution, f.version, hooks=(), error=f.error)
+        for f in _failures.values()
+    ]
+    return rows + failed
 
 
 def _version(dist: str) -> str:

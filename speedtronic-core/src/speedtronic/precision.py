@@ -9,7 +9,15 @@ from typing import Any
 
 import torch
 
+from speedtronic.errors import ConfigError
+
 log = logging.getLogger("speedtronic.precision")
+
+
+def mps_available() -> bool:
+    """Whether Apple's Metal backend can be used in this process."""
+    backend = getattr(torch.backends, "mps", None)
+    return bool(backend is not None and backend.is_available())
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -18,15 +26,13 @@ def resolve_device(requested: str) -> torch.device:
     if requested == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
-        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+        if mps_available():
             return torch.device("mps")
         return torch.device("cpu")
     if requested == "cuda" and not torch.cuda.is_available():
         log.warning("run.device is cuda but CUDA is not available; training on CPU")
         return torch.device("cpu")
-    if requested == "mps" and not (
-        getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()
-    ):
+    if requested == "mps" and not mps_available():
         log.warning("run.device is mps but MPS is not available; training on CPU")
         return torch.device("cpu")
     return torch.device(requested)
@@ -46,27 +52,59 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(device_type=device.type, dtype=self.dtype)
 
+    def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
+        """A GradScaler for ``device``, enabled only when this precision needs one (fp16)."""
+        return torch.amp.GradScaler(device.type, enabled=self.use_grad_scaler)
 
-def _bf16_ok(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_bf16_supported()
+
+FP32 = Precision("fp32", None, False)
+BF16 = Precision("bf16", torch.bfloat16, False)
+FP16 = Precision("fp16", torch.float16, True)
+
+
+def _cpu_supports(dtype: torch.dtype) -> bool:
+    # oneDNN reports whether this CPU has native instructions for the dtype (AVX512-BF16/AMX,
+    # AVX512-FP16); without them autocast would run slow emulated kernels.
+    probe = {
+        torch.bfloat16: "_is_mkldnn_bf16_supported",
+        torch.float16: "_is_mkldnn_fp16_supported",
+    }[dtype]
+    try:
+        return bool(getattr(torch.ops.mkldnn, probe)())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def supports(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether mixed precision with ``dtype`` runs natively on ``device``.
+
+    CUDA: fp16 always, bf16 where ``torch.cuda.is_bf16_supported()``. CPU: where oneDNN has
+    native kernels. MPS: not used (its autocast coverage is still partial).
+    """
+    if device.type == "cuda":
+        return dtype == torch.float16 or torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        return _cpu_supports(dtype)
+    return False
 
 
 def resolve_precision(mode: str, device: torch.device) -> Precision:
     """``auto`` = bf16 on capable CUDA, fp16 + GradScaler on other CUDA, fp32 on CPU/MPS.
-    Explicit modes are honoured where the hardware can run them, else fp32 with a warning."""
+
+    An explicit ``bf16``/``fp16`` is honoured where :func:`supports` says the device can run
+    it (fp16 always comes with a GradScaler), otherwise the run uses fp32 and warns once.
+    """
     if mode == "auto":
-        if device.type == "cuda":
-            mode = "bf16" if _bf16_ok(device) else "fp16"
-        else:
-            mode = "fp32"
-    if mode == "bf16":
-        if _bf16_ok(device):
-            return Precision("bf16", torch.bfloat16, False)
-        log.warning("precision.mode bf16 is not supported on %s; using fp32", device.type)
-        return Precision("fp32", None, False)
-    if mode == "fp16":
-        if device.type == "cuda":
-            return Precision("fp16", torch.float16, True)
-        log.warning("precision.mode fp16 needs CUDA (got %s); using fp32", device.type)
-        return Precision("fp32", None, False)
-    return Precision("fp32", None, False)
+        if device.type != "cuda":
+            return FP32
+        return BF16 if supports(device, torch.bfloat16) else FP16
+    if mode == "fp32":
+        return FP32
+    wanted = {"bf16": BF16, "fp16": FP16}.get(mode)
+    if wanted is None:
+        raise ConfigError(f"unknown mode {mode!r}; use auto, bf16, fp16 or fp32", "precision.mode")
+    if supports(device, wanted.dtype):  # type: ignore[arg-type]
+        return wanted
+    log.warning("precision.mode %s is not supported on this %s device; training in fp32",
+                mode, device.type)
+    return FP32

@@ -1,11 +1,14 @@
 """The in-process model registry, itself a built-in plugin answering ``build_model``.
 
 ``register_model("name")`` keeps working for code that registers factories in-process;
-:func:`build_model` asks every plugin (registry first, then entry points) through the hook.
+:func:`build_model_from_hook` (exported as ``speedtronic.build_model``) asks every plugin
+through the hook and names the known models when none answers.
 """
 
 from __future__ import annotations
 
+import difflib
+import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -48,14 +51,44 @@ def registered_models() -> list[str]:
 
 @hookimpl
 def build_model(name: str, params: dict[str, Any]) -> Any:
+    """Answer for names registered with :func:`register_model`; ``None`` for any other."""
     factory = _FACTORIES.get(name)
     if factory is None:
         return None
+    _check_params(name, factory, params)
     return factory(**params)
 
 
+def _check_params(name: str, factory: Callable[..., Any], params: dict[str, Any]) -> None:
+    """Turn a parameter the factory does not take into a config error (not a TypeError deep in
+    user code)."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # builtins and C callables: let the call itself decide
+        return
+    try:
+        signature.bind(**params)
+    except TypeError as exc:
+        accepted = [
+            p.name
+            for p in signature.parameters.values()
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        ]
+        unexpected = [key for key in params if key not in accepted]
+        if unexpected and not any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
+            key = unexpected[0]
+            close = difflib.get_close_matches(key, accepted, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(
+                f"model {name!r} takes no parameter {key!r}{hint} "
+                f"(it takes: {', '.join(accepted) or 'nothing'})",
+                f"model.{key}",
+            ) from None
+        raise ConfigError(f"cannot build model {name!r}: {exc}", "model") from None
+
+
 def known_model_names() -> list[str]:
-    """Every model name some plugin declares (plugins may expose ``MODEL_NAMES``)."""
+    """Every model name registered in-process or declared by a plugin's ``MODEL_NAMES``."""
     from speedtronic.plugins import get_plugin_manager
 
     names = set(_FACTORIES)
@@ -70,10 +103,12 @@ def build_model_from_hook(name: str, **params: Any) -> Any:
 
     model = get_plugin_manager().hook.build_model(name=name, params=dict(params))
     if model is None:
-        known = ", ".join(known_model_names()) or "none"
+        names = known_model_names()
+        close = difflib.get_close_matches(name, names, n=1)
+        suggestion = f"; did you mean {close[0]!r}?" if close else ""
         raise ConfigError(
-            f"no plugin builds a model named {name!r}{missing_provider_hint(name)}; "
-            f"known models: {known}",
+            f"no plugin builds a model named {name!r}{suggestion}{missing_provider_hint(name)}; "
+            f"known models: {', '.join(names) or 'none'}",
             "model.name",
         )
     if not callable(model):

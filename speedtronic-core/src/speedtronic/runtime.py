@@ -17,6 +17,7 @@ from speedtronic.data import DataSource, Tokenizer, build_dataloader
 from speedtronic.metrics import ConsoleSink, JsonlSink, MetricLogger, TextFileSink, import_hook
 from speedtronic.plugins import get_plugin_manager
 from speedtronic.registry import build_model_from_hook
+from speedtronic.shape_advice import warn_shape_advice
 from speedtronic.trainer import Trainer, TrainResult
 
 log = logging.getLogger("speedtronic.runtime")
@@ -74,6 +75,9 @@ def build_runtime(
     seed_everything(config.run.seed)
     if model is None:
         model = build_model_from_hook(config.model.name, **config.model.params)
+        warn_shape_advice(model, config.model.params)
+    else:
+        warn_shape_advice(model)
     seed = config.data.seed if config.data.seed is not None else config.run.seed
     adjusted = pm.hook.data_seed(config=config, seed=seed)
     data = build_dataloader(

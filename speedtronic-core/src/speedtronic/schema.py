@@ -76,16 +76,22 @@ def build_section(cls: type, data: Any, path: str) -> Any:
         data = {}
     if not isinstance(data, Mapping):
         raise ConfigError(f"expected a mapping, got {type(data).__name__}", path)
-    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    names = [f.name for f in fields]
     for key in data:
         if key not in names:
             raise unknown_key_error(str(key), names, path)
+    for field in fields:
+        required = (
+            field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
+        )
+        if required and field.name not in data:
+            where = f"{path}.{field.name}" if path else field.name
+            raise ConfigError("required key is missing", where)
     try:
         return cls(**dict(data))
     except ConfigError as exc:
         raise exc.under(path) from None
-    except TypeError as exc:  # a required field is missing
-        raise ConfigError(str(exc), path) from None
 
 
 def unknown_key_error(key: str, known: list[str], path: str, hint: str = "") -> ConfigError:
@@ -97,7 +103,8 @@ def unknown_key_error(key: str, known: list[str], path: str, hint: str = "") -> 
 
 
 def coerce(value: Any, annotation: Any) -> Any:
-    """Convert ``value`` to ``annotation`` (bool/int/float/str/Literal/Optional/list/dict/dataclass)."""
+    """Convert ``value`` to ``annotation``: bool, int, float, str, Literal, Optional/unions,
+    list, tuple, dict, or a nested section dataclass."""
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if annotation is Any:
@@ -118,7 +125,11 @@ def coerce(value: Any, annotation: Any) -> Any:
         if value in args:
             return value
         choices = ", ".join(repr(a) for a in args)
-        raise ConfigError(f"must be one of {choices} (got {value!r})")
+        names = [str(a) for a in args]
+        same_case = [n for n in names if n.lower() == str(value).lower()]
+        close = same_case or difflib.get_close_matches(str(value), names, n=1, cutoff=0.5)
+        suggestion = f"; did you mean {close[0]!r}?" if close and isinstance(value, str) else ""
+        raise ConfigError(f"must be one of {choices} (got {value!r}){suggestion}")
     if origin in (list, tuple):
         if isinstance(value, str) or not isinstance(value, (list, tuple)):
             raise ConfigError(f"expected a list, got {type(value).__name__} {value!r}")

@@ -11,11 +11,14 @@ issues no host sync per micro-batch.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,7 +28,7 @@ from torch import nn
 from speedtronic.checkpoint import CheckpointManager
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.data import DataSource
-from speedtronic.errors import CheckpointError, SpeedtronicError
+from speedtronic.errors import CheckpointError, DataError, SpeedtronicError
 from speedtronic.metrics import MetricLogger
 from speedtronic.precision import Precision, resolve_device, resolve_precision
 
@@ -46,7 +49,17 @@ class TrainResult:
 
 
 def loss_of(output: Any) -> torch.Tensor:
-    """Pick the loss out of a model's output (tensor, ``{"loss"}`` mapping, or tuple)."""
+    """Pick the scalar loss out of a model's output (tensor, ``{"loss"}`` mapping, or tuple)."""
+    loss = _pick_loss(output)
+    if loss.numel() != 1:
+        raise SpeedtronicError(
+            f"the model's loss must be a scalar, got a tensor of shape {list(loss.shape)}; "
+            "reduce it (e.g. .mean()) inside the model"
+        )
+    return loss.reshape(())
+
+
+def _pick_loss(output: Any) -> torch.Tensor:
     if isinstance(output, torch.Tensor):
         return output
     if isinstance(output, dict):
@@ -74,6 +87,7 @@ def call_model(model: Any, batch: Any) -> Any:
 
 
 def move_to(batch: Any, device: torch.device) -> Any:
+    """``batch`` (tensor, or dict/list/tuple of them) on ``device``; other values unchanged."""
     non_blocking = device.type == "cuda"
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=non_blocking)
@@ -110,7 +124,34 @@ def process_memory_mb(device: torch.device) -> float:
     except (OSError, ValueError, IndexError):
         import resource
 
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        # Peak rather than current RSS here; macOS reports bytes, Linux kilobytes.
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / (2**20 if sys.platform == "darwin" else 2**10)
+
+
+def repeat_epochs(data: Iterable[Any]) -> Iterator[Any]:
+    """Iterate ``data`` epoch after epoch when it can be iterated again (a list, a DataLoader);
+    a one-shot iterator (a generator) is iterated once."""
+    iterator = iter(data)
+    if iterator is data:
+        yield from iterator
+        return
+    while True:
+        empty = True
+        for batch in iterator:
+            empty = False
+            yield batch
+        if empty:
+            raise DataError("the training data yielded no batches")
+        iterator = iter(data)
+
+
+# GradScaler halves its scale on every overflow; after this many skipped attempts in a row the
+# loss itself is not finite and retrying cannot help.
+MAX_CONSECUTIVE_SKIPS = 64
+
+
+STATE_FORMAT = 1
 
 
 def rng_state() -> dict[str, Any]:
@@ -169,17 +210,24 @@ class Trainer:
         self.device = device or resolve_device(config.run.device)
         self.model = model.to(self.device)
         self.precision: Precision = resolve_precision(config.precision.mode, self.device)
-        self.optimizer = optimizer or build_optimizer(self.model, config.optimizer, self.device)
-        self.scheduler = scheduler or build_scheduler(
-            self.optimizer, config.scheduler, config.run.max_steps
+        self.optimizer = (
+            optimizer if optimizer is not None
+            else build_optimizer(self.model, config.optimizer, self.device)
+        )
+        self.scheduler = (
+            scheduler if scheduler is not None
+            else build_scheduler(self.optimizer, config.scheduler, config.run.max_steps)
         )
         self.plugin_manager = plugin_manager if plugin_manager is not None else get_plugin_manager()
         self.metrics = metric_logger or MetricLogger(plugin_manager=self.plugin_manager)
+        if self.metrics.plugin_manager is None:
+            # Plugins' on_metric must see every event, also with a caller-built logger.
+            self.metrics.plugin_manager = self.plugin_manager
         self.data = data
         self.checkpoints = checkpoints or CheckpointManager(
             config.checkpoint_dir, config.checkpoint.keep_last
         )
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision.use_grad_scaler)
+        self.scaler = self.precision.grad_scaler(self.device)
         self.accumulation_steps = config.data.accumulation_steps
         self.reset_optimizer_on_weight_replace = True
         self.step = 0
@@ -187,8 +235,10 @@ class Trainer:
         self.tokens_seen = 0
         self.weights_replaced = 0
         self.resumed_from: int | None = None
+        self._resumed_rng: dict[str, Any] | None = None
         self._forward_model: Any = self.model
         self._compiled = False
+        self._consecutive_skips = 0
         self._configure_model()
 
     # ------------------------------------------------------------------ setup
@@ -206,7 +256,8 @@ class Trainer:
             options = self.config.compile
             try:
                 self._forward_model = torch.compile(
-                    self.model, mode=None if options.mode == "default" else options.mode,
+                    self.model, backend=options.backend,
+                    mode=None if options.mode == "default" else options.mode,
                     fullgraph=options.fullgraph, dynamic=options.dynamic,
                 )
                 self._compiled = True
@@ -223,52 +274,111 @@ class Trainer:
         plugins: dict[str, Any] = {}
         self.plugin_manager.hook.on_checkpoint(trainer=self, state=plugins)
         return {
-            "format": 1,
+            "format": STATE_FORMAT,
             "step": self.step,
             "samples_seen": self.samples_seen,
             "tokens_seen": self.tokens_seen,
+            "weights_replaced": self.weights_replaced,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
             "rng": rng_state(),
-            "data": {"samples": self.samples_seen},
+            # The data position is the global index of the next sample: the synthetic and byte
+            # text streams restart exactly there (DataSource.iterate(start_sample)).
+            "data": {
+                "start_sample": self.samples_seen,
+                "source": getattr(self.data, "description", type(self.data).__name__),
+            },
             "config": self.config.to_dict(redact=True),
             "plugins": plugins,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a state produced by :meth:`state_dict` (plugins restore theirs via hooks)."""
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        """Restore a state produced by :meth:`state_dict` (plugins restore theirs via hooks).
+
+        Raises :class:`CheckpointError` when the state does not fit this model or optimizer.
+        """
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            found = state.get("format") if isinstance(state, dict) else type(state).__name__
+            raise CheckpointError(
+                f"unsupported trainer state format {found!r} (this version reads {STATE_FORMAT})"
+            )
+        try:
+            self.model.load_state_dict(state["model"])
+        except (RuntimeError, KeyError, ValueError) as exc:
+            raise CheckpointError(
+                f"the checkpoint does not fit this model (was model.* changed?): "
+                f"{str(exc).strip().splitlines()[0]}"
+            ) from exc
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+        except (RuntimeError, KeyError, ValueError, TypeError) as exc:
+            raise CheckpointError(
+                f"the checkpoint's optimizer/scheduler state does not fit this "
+                f"run (was optimizer.* changed?): {exc}"
+            ) from exc
         if state.get("scaler") and self.scaler.is_enabled():
             self.scaler.load_state_dict(state["scaler"])
         self.step = int(state["step"])
         self.samples_seen = int(state["samples_seen"])
         self.tokens_seen = int(state["tokens_seen"])
+        self.weights_replaced = int(state.get("weights_replaced", 0))
         set_rng_state(state["rng"])
-        self.plugin_manager.hook.on_load_checkpoint(trainer=self, state=state.get("plugins", {}))
+        # Applied again once the data iterator exists, see _restore_resumed_rng.
+        self._resumed_rng = state["rng"]
+        self.plugin_manager.hook.on_load_checkpoint(trainer=self, state=state.get("plugins") or {})
 
-    def save_checkpoint(self) -> None:
+    def save_checkpoint(self) -> Path:
+        """Durably write a checkpoint of the current state; returns its directory."""
         path = self.checkpoints.save(self.step, self.state_dict())
+        log.debug("checkpoint at step %d: %s", self.step, path)
         self.metrics.emit("checkpoint", {"step": self.step, "path": str(path)})
+        return path
 
     def _resume(self) -> None:
+        """Load the newest usable checkpoint; no checkpoint at all means a fresh start."""
         try:
             loaded = self.checkpoints.load_latest()
-        except CheckpointError:
+        except CheckpointError as exc:
             if not self.config.checkpoint.allow_fresh_start:
                 raise
-            log.warning("no usable checkpoint; starting fresh as checkpoint.allow_fresh_start "
-                        "asks")
+            log.warning("%s; starting fresh because checkpoint.allow_fresh_start is set", exc)
             return
         if loaded is None:
             log.info("no checkpoint in %s yet; starting fresh", self.checkpoints.directory)
             return
         self.load_state_dict(loaded.state)
         self.resumed_from = loaded.step
-        log.info("resumed from %s (step %d)", loaded.path, loaded.step)
+        log.info(
+            "resumed from %s (step %d of %d)", loaded.path, loaded.step, self.config.run.max_steps
+        )
+        self.metrics.emit("resumed", {"step": loaded.step, "path": str(loaded.path)})
+
+    def _restore_resumed_rng(self) -> None:
+        """Re-apply a resumed RNG state after the data iterator was created.
+
+        Creating a DataLoader iterator draws its base seed from the global torch RNG. The
+        uninterrupted run made that draw at step 0, so the resumed run must not see it.
+        """
+        if self._resumed_rng is not None:
+            set_rng_state(self._resumed_rng)
+            self._resumed_rng = None
+
+    def _warn_if_checkpoints_exist(self) -> None:
+        config = self.config.checkpoint
+        if not (config.interval or config.save_final):
+            return
+        existing = self.checkpoints.candidates()
+        if existing:
+            log.warning(
+                "%s already holds checkpoints up to %s from an earlier run; this run starts "
+                "fresh and writes its own next to them (pass --resume / checkpoint.resume: true "
+                "to continue instead)",
+                self.checkpoints.directory,
+                existing[0].name,
+            )
 
     # ------------------------------------------------------------------ loop
     def _batches(self) -> Iterator[Any]:
@@ -277,50 +387,71 @@ class Trainer:
                 log.warning("this data source resumes by skipping %d consumed samples",
                             self.samples_seen)
             return self.data.iterate(self.samples_seen)
+        batches = repeat_epochs(self.data)
         if self.samples_seen:
             log.warning("resuming a plain iterable: skipping consumed batches is the only way")
             from itertools import islice
 
-            return islice(iter(self.data), self.step * self.accumulation_steps, None)
-        return iter(self.data)
+            return islice(batches, self.step * self.accumulation_steps, None)
+        return batches
+
+    def _next_micro_batches(self, batches: Iterator[Any]) -> list[Any]:
+        try:
+            return [move_to(next(batches), self.device) for _ in range(self.accumulation_steps)]
+        except StopIteration:
+            raise DataError(
+                f"the training data ran out at step {self.step} of {self.config.run.max_steps}; "
+                "pass a re-iterable source (list, DataLoader, DataSource) or lower run.max_steps"
+            ) from None
 
     def _forward_backward(self, batches: list[Any], model: Any) -> torch.Tensor:
         """Forward and backward over one optimizer step's micro-batches; returns the summed
         (unscaled) mean loss on the device."""
-        total = torch.zeros((), device=self.device)
+        accumulating = len(batches) > 1
+        losses = []
         for batch in batches:
             with self.precision.autocast(self.device):
                 loss = loss_of(call_model(model, batch))
-            self.scaler.scale(loss / self.accumulation_steps).backward()
-            total += loss.detach().float()
-        return total / self.accumulation_steps
+            # Each micro-batch loss is a mean; dividing by their count makes the summed
+            # gradients those of the mean over the whole optimizer batch.
+            self.scaler.scale(loss / len(batches) if accumulating else loss).backward()
+            losses.append(loss.detach())
+        if accumulating:
+            return torch.stack(losses).float().mean()
+        return losses[0].float()
 
     def _step_loss(self, batches: list[Any]) -> torch.Tensor:
         if not self._compiled:
             return self._forward_backward(batches, self.model)
         try:
             return self._forward_backward(batches, self._forward_model)
-        except Exception as compiled_error:
-            self.optimizer.zero_grad(set_to_none=True)
-            # Re-run eagerly: if eager fails too, the model itself is wrong and that error
-            # is the one the user must see.
-            loss = self._forward_backward(batches, self.model)
-            log.warning("torch.compile failed (%s: %s); continuing eagerly",
-                        type(compiled_error).__name__, str(compiled_error).splitlines()[0]
-                        if str(compiled_error) else "")
-            self._compiled = False
-            self._forward_model = self.model
-            return loss
+        except Exception as exc:
+            # Keep only a description: the exception's traceback pins the failed attempt's
+            # activations in memory.
+            lines = str(exc).strip().splitlines()
+            failure = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+        # Re-run the same micro-batches eagerly, outside the except block: if eager execution
+        # fails too, the model itself is wrong and its own error, not the compiler's, reaches
+        # the user. Only when eager succeeds was it the compiler's failure.
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self._forward_backward(batches, self.model)
+        log.warning("torch.compile failed (%s); continuing eagerly", failure)
+        self._compiled = False
+        self._forward_model = self.model
+        return loss
 
-    def _optimizer_step(self) -> tuple[bool, torch.Tensor | None]:
+    def _optimizer_step(self, want_norm: bool = True) -> tuple[bool, torch.Tensor | None]:
         """Clip and step. Returns (stepped, grad_norm); stepped is False after a GradScaler
-        overflow, which skips the update."""
+        overflow, which skips the update. Without clipping, the norm is only computed when
+        ``want_norm`` (it is logged at the log cadence only)."""
         clip = self.config.optimizer.grad_clip
-        self.scaler.unscale_(self.optimizer)
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            params, clip if clip is not None else float("inf")
-        )
+        grad_norm = None
+        if clip is not None or want_norm:
+            self.scaler.unscale_(self.optimizer)
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                params, clip if clip is not None else float("inf")
+            )
         if not self.scaler.is_enabled():
             self.optimizer.step()
             return True, grad_norm
@@ -333,7 +464,13 @@ class Trainer:
         """Train until ``run.max_steps`` (a global target: a resumed run continues to it)."""
         self.model.train()
         if self.config.checkpoint.resume:
-            self._resume()
+            try:
+                self._resume()
+            except BaseException:
+                self.metrics.close()
+                raise
+        else:
+            self._warn_if_checkpoints_exist()
         max_steps = self.config.run.max_steps
         if self.step >= max_steps:
             message = f"run already finished: step {self.step} >= run.max_steps {max_steps}"
@@ -384,6 +521,7 @@ class Trainer:
         log_every = self.config.logging.log_every
         interval = self.config.checkpoint.interval
         batches = self._batches()
+        self._restore_resumed_rng()
         window_loss = torch.zeros((), device=self.device)
         window_steps = 0
         window_samples = 0
@@ -391,23 +529,25 @@ class Trainer:
         window_start = time.perf_counter()
         last_loss: float | None = None
         while self.step < max_steps:
-            micro = [move_to(next(batches), self.device) for _ in range(self.accumulation_steps)]
+            micro = self._next_micro_batches(batches)
             step_loss = self._step_loss(micro)
-            stepped, grad_norm = self._optimizer_step()
+            will_log = (self.step + 1) % log_every == 0 or self.step + 1 == max_steps
+            stepped, grad_norm = self._optimizer_step(want_norm=will_log)
             self.optimizer.zero_grad(set_to_none=True)
-            if not stepped:
-                self.metrics.emit("optimizer_step_skipped", {
-                    "step": self.step, "scale": self.scaler.get_scale(),
-                })
-                continue
-            self.scheduler.step()
-            self.step += 1
+            # Consumed samples count even when the update is skipped: they are the data
+            # position a resumed run restarts from.
             for batch in micro:
                 samples, tokens = batch_size_and_tokens(batch)
                 self.samples_seen += samples
                 self.tokens_seen += tokens
                 window_samples += samples
                 window_tokens += tokens
+            if not stepped:
+                self._skipped_step()
+                continue
+            self._consecutive_skips = 0
+            self.scheduler.step()
+            self.step += 1
             window_loss += step_loss
             window_steps += 1
 
@@ -421,6 +561,8 @@ class Trainer:
 
             if self.step % log_every == 0 or self.step == max_steps:
                 last_loss = float(window_loss.item() / window_steps)
+                if not math.isfinite(last_loss):
+                    log.warning("the loss is %s at step %d", last_loss, self.step)
                 elapsed = max(time.perf_counter() - window_start, 1e-9)
                 self.metrics.emit("step", {
                     "step": self.step,
@@ -438,5 +580,22 @@ class Trainer:
                 window_steps = window_samples = window_tokens = 0
                 window_start = time.perf_counter()
             if interval and self.step % interval == 0:
+                saving_since = time.perf_counter()
                 self.save_checkpoint()
+                # Checkpoint time is not training time: keep it out of the step rates.
+                window_start += time.perf_counter() - saving_since
         return last_loss
+
+    def _skipped_step(self) -> None:
+        """Report a GradScaler overflow; the step, scheduler and plugins do not advance."""
+        self._consecutive_skips += 1
+        self.metrics.emit("optimizer_step_skipped", {
+            "step": self.step, "scale": self.scaler.get_scale(),
+            "consecutive": self._consecutive_skips,
+        })
+        if self._consecutive_skips >= MAX_CONSECUTIVE_SKIPS:
+            raise SpeedtronicError(
+                f"{self._consecutive_skips} optimizer steps in a row were skipped for inf/NaN "
+                f"gradients at step {self.step}; the loss is not finite (lower optimizer.lr, or "
+                "try precision.mode bf16/fp32)"
+            )

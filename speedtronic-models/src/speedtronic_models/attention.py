@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -48,3 +49,16 @@ class GroupedQueryAttention(nn.Module):
             enable_gqa=self.n_kv_head != self.n_head,
         )
         return self.out(y.transpose(1, 2).reshape(batch, seq_len, -1))
+
+
+def padding_causal_mask(attention_mask: Tensor) -> Tensor:
+    """Combine a ``[B, T]`` padding mask with causality into a boolean ``[B, 1, T, T]`` mask
+    (``True`` = may attend), for ``scaled_dot_product_attention``."""
+    seq_len = attention_mask.shape[1]
+    device = attention_mask.device
+    keep_keys = attention_mask.to(torch.bool)[:, None, None, :]
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+    # A padded query with only padding before it (left padding) would see no key at all and
+    # softmax to NaN; letting every query see itself keeps its ignored output finite.
+    diagonal = torch.eye(seq_len, dtype=torch.bool, device=device)
+    return (causal & keep_keys) | diagonal

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from speedtronic.errors import ConfigError
+from speedtronic import ConfigError
 
 # Errors point at the config file's `model:` section, where these parameters are written.
 _SECTION = "model"

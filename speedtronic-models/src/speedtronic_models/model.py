@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from speedtronic.errors import DataError
-from speedtronic_models.attention import GroupedQueryAttention
+from speedtronic import DataError
+from speedtronic_models.attention import GroupedQueryAttention, padding_causal_mask
 from speedtronic_models.config import TransformerConfig
 from speedtronic_models.feedforward import SwiGLU
 from speedtronic_models.rotary import RotaryEmbedding
@@ -152,10 +152,14 @@ class ReferenceTransformer(nn.Module):
         when labels are given.
         """
         if input_ids.dim() != 2:
-            raise DataError(f"input_ids must be [batch, seq_len], got shape {list(input_ids.shape)}")
+            raise DataError(
+                f"input_ids must be [batch, seq_len], got shape {list(input_ids.shape)}"
+            )
         seq_len = input_ids.shape[1]
         if seq_len > self.max_seq_len:
-            raise DataError(f"sequence length {seq_len} exceeds model max_seq_len {self.max_seq_len}")
+            raise DataError(
+                f"sequence length {seq_len} exceeds model max_seq_len {self.max_seq_len}"
+            )
         mask = None
         if attention_mask is not None:
             if attention_mask.shape != input_ids.shape:
@@ -189,16 +193,3 @@ class ReferenceTransformer(nn.Module):
                 ignore_index=IGNORE_INDEX,
             )
         return outputs
-
-
-def padding_causal_mask(attention_mask: Tensor) -> Tensor:
-    """Combine a ``[B, T]`` padding mask with causality into a boolean ``[B, 1, T, T]`` mask
-    (``True`` = may attend), for ``scaled_dot_product_attention``."""
-    seq_len = attention_mask.shape[1]
-    device = attention_mask.device
-    keep_keys = attention_mask.to(torch.bool)[:, None, None, :]
-    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
-    # A padded query with only padding before it (left padding) would see no key at all and
-    # softmax to NaN; letting every query see itself keeps its ignored output finite.
-    diagonal = torch.eye(seq_len, dtype=torch.bool, device=device)
-    return (causal & keep_keys) | diagonal

@@ -1,0 +1,145 @@
+"""Checkpoint save and load time against a bare ``torch.save`` / ``torch.load`` of the same state.
+
+The state is exactly what the trainer checkpoints (``Trainer.state_dict()``): the model, AdamW
+with both moment buffers filled, the scheduler, RNG states, the redacted config. The model is
+the reference transformer of ``configs/reference-small.yaml`` (40.4M parameters, about 485 MB
+of state), or a smaller one with ``--quick``.
+
+Measured per round, interleaved so machine noise hits both sides alike (medians reported):
+
+* save: ``CheckpointManager.save`` (encode, safetensors + JSON, sha256 manifest, fsync of every
+  file and directory, atomic rename, pointer, retention) against ``torch.save`` to a path, and
+  against ``torch.save`` made durable the same way (temp file, fsync, rename);
+* load: ``CheckpointManager.load_latest`` (pointer, size + sha256 verification, safetensors and
+  JSON decode, never pickle) against ``torch.load(weights_only=False)``, the pickle-based load
+  the previous generation used. Both read from the page cache after the first round.
+
+    python benchmarks/checkpoint.py --quick     # about a minute on a busy 2-core CPU machine
+    python benchmarks/checkpoint.py             # the figures in docs/checkpoints.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from speedtronic.checkpoint import CheckpointManager
+from speedtronic.fileio import atomic_write_with
+from speedtronic.runtime import build_runtime
+
+MODELS = {
+    True: {"vocab_size": 8192, "max_seq_len": 256, "n_layer": 4, "n_head": 4, "n_kv_head": 2,
+           "d_model": 256},
+    False: {"vocab_size": 32768, "max_seq_len": 1024, "n_layer": 8, "n_head": 8, "n_kv_head": 4,
+            "d_model": 512},
+}  # fmt: skip
+
+
+def trainer_state(quick: bool, workdir: Path) -> dict[str, Any]:
+    """``Trainer.state_dict()`` of the reference model after one AdamW step."""
+    config = {
+        "run": {"device": "cpu", "max_steps": 10, "output_dir": str(workdir / "run")},
+        "model": {"name": "reference_transformer", **MODELS[quick]},
+        "data": {"micro_batch_size": 1, "seq_len": 16},
+        "precision": {"mode": "fp32"},
+    }
+    trainer = build_runtime(config, console=False).trainer
+    # Fake gradients are enough to give AdamW its full state (step, exp_avg, exp_avg_sq).
+    for param in trainer.model.parameters():
+        param.grad = torch.randn_like(param) * 1e-3
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.step = 1
+    return trainer.state_dict()
+
+
+def state_bytes(state: Any) -> int:
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(v) for v in state)
+    return 0
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller model, fewer rounds")
+    parser.add_argument("--rounds", type=int, help="timed rounds (default 3 quick, 5 full)")
+    parser.add_argument("--dir", help="where to write (default: a temporary directory)")
+    args = parser.parse_args()
+    rounds = args.rounds or (3 if args.quick else 5)
+
+    workdir = Path(tempfile.mkdtemp(prefix="speedtronic-ckpt-bench-", dir=args.dir))
+    try:
+        state = trainer_state(args.quick, workdir)
+        size_mb = state_bytes(state) / 2**20
+        manager = CheckpointManager(workdir / "ours", keep_last=1)
+        bare = workdir / "bare.pt"
+        durable = workdir / "durable.pt"
+
+        def durable_save() -> None:
+            atomic_write_with(durable, lambda tmp: torch.save(state, tmp))
+
+        times: dict[str, list[float]] = {k: [] for k in (
+            "ours_save", "bare_save", "durable_save", "ours_load", "bare_load", "verify")}
+        step = 1
+        for _ in range(rounds + 1):  # the first round warms caches and allocators
+            sample = {}
+            sample["bare_save"] = timed(lambda: torch.save(state, bare))
+            sample["durable_save"] = timed(durable_save)
+            sample["ours_save"] = timed(lambda s=step: manager.save(s, state))
+            sample["bare_load"] = timed(lambda: torch.load(bare, weights_only=False))
+            sample["ours_load"] = timed(manager.load_latest)
+            sample["verify"] = timed(lambda s=step: manager.verify(manager.directory /
+                                                                    f"step_{s:08d}"))
+            step += 1
+            if step > 2:
+                for key, value in sample.items():
+                    times[key].append(value)
+
+        median = {k: statistics.median(v) for k, v in times.items()}
+        on_disk = sum(f.stat().st_size for f in manager.candidates()[0].iterdir()) / 2**20
+        print(f"state: {size_mb:.0f} MB of tensors ({'quick' if args.quick else 'reference-small'}"
+              f" model), checkpoint on disk {on_disk:.0f} MB, torch.save file "
+              f"{bare.stat().st_size / 2**20:.0f} MB; medians of {rounds} rounds, "
+              f"{torch.get_num_threads()} threads")
+        rows = [
+            ("save", "CheckpointManager.save", median["ours_save"], "torch.save",
+             median["bare_save"]),
+            ("save", "CheckpointManager.save", median["ours_save"], "torch.save + fsync + rename",
+             median["durable_save"]),
+            ("load", "CheckpointManager.load_latest", median["ours_load"],
+             "torch.load(weights_only=False)", median["bare_load"]),
+        ]
+        print(f"{'':5} {'speedtronic':32} {'s':>7}   {'baseline':32} {'s':>7}   ratio")
+        for kind, ours, ours_s, base, base_s in rows:
+            print(f"{kind:5} {ours:32} {ours_s:7.3f}   {base:32} {base_s:7.3f}   "
+                  f"{ours_s / base_s:5.2f}x")
+        print(f"of the load, size + sha256 verification: {median['verify']:.3f} s "
+              f"({median['verify'] / median['ours_load']:.0%}); save throughput "
+              f"{on_disk / median['ours_save']:.0f} MB/s, load {on_disk / median['ours_load']:.0f}"
+              " MB/s")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("SPEEDTRONIC_LOAD_PLUGINS", "reference_transformer")
+    main()

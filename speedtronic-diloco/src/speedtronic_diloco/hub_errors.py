@@ -1,0 +1,145 @@
+"""How failures of the Hugging Face Hub client become DiLoCo transport errors.
+
+Transient (retry later, honouring ``Retry-After``): timeouts, connection errors, 408, 429,
+5xx, 409 "another conflicting operation is in progress". Permanent (retrying cannot help):
+401, 403, 404 (repository, revision or file missing), 400 and other 4xx, offline mode, a bad
+repository id. Anything else is a programming error and is not translated.
+
+``hf_hub_download`` hides 403/429/5xx/timeouts inside ``LocalEntryNotFoundError``; the real
+error is its ``__cause__`` and is classified instead.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import time
+from collections.abc import Mapping
+
+from huggingface_hub.errors import (
+    DisabledRepoError,
+    GatedRepoError,
+    HfHubHTTPError,
+    HFValidationError,
+    LocalEntryNotFoundError,
+    OfflineModeIsEnabled,
+    RemoteEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from huggingface_hub.utils import parse_ratelimit_headers
+
+from speedtronic_diloco.hub_session import HubRequestFailed, http, safe_url
+from speedtronic_diloco.transport import (
+    PermanentTransportError,
+    TransientTransportError,
+    TransportError,
+)
+
+__all__ = ["classify", "redact", "retry_after"]
+
+_TRANSIENT_STATUS = frozenset({408, 429})
+_MAX_DETAIL = 300
+
+
+def retry_after(headers: Mapping[str, str]) -> float | None:
+    """Seconds the server asked to wait: ``Retry-After`` (seconds or an HTTP date), else the
+    ``RateLimit`` header's reset time when no requests remain; None when it said nothing."""
+    lowered = {key.lower(): value for key, value in headers.items()}
+    value = (lowered.get("retry-after") or "").strip()
+    if value:
+        try:
+            return max(0.0, float(value))
+        except ValueError:
+            pass
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            when = None
+        if when is not None:
+            return max(0.0, when.timestamp() - time.time())
+    limit = parse_ratelimit_headers(headers)
+    if limit is not None and limit.remaining == 0:
+        return float(limit.reset_in_seconds)
+    return None
+
+
+def redact(text: str, secret: str | None) -> str:
+    """``text`` with ``secret`` (the Hub token) replaced by ``<redacted>``."""
+    if secret and len(secret) >= 4:
+        return text.replace(secret, "<redacted>")
+    return text
+
+
+def _transient(message: str, wait: float | None = None) -> TransientTransportError:
+    error = TransientTransportError(message)
+    error.retry_after = wait
+    return error
+
+
+def _server_detail(error: HfHubHTTPError) -> str:
+    detail = (getattr(error, "server_message", None) or "").strip().replace("\n", " ")
+    return f": {detail[:_MAX_DETAIL]}" if detail else ""
+
+
+def _classify_http(error: HfHubHTTPError, what: str) -> TransportError:
+    response = error.response
+    status = response.status_code if response is not None else None
+    detail = _server_detail(error)
+    if isinstance(error, RepositoryNotFoundError):
+        return PermanentTransportError(
+            f"{what}: repository not found, or the token cannot see it (a private repository "
+            f"looks missing without a valid token; HTTP {status}){detail}"
+        )
+    if isinstance(error, RevisionNotFoundError):
+        return PermanentTransportError(f"{what}: revision not found (HTTP {status}){detail}")
+    if isinstance(error, RemoteEntryNotFoundError):
+        return PermanentTransportError(f"{what}: file not found (HTTP {status}){detail}")
+    if isinstance(error, (GatedRepoError, DisabledRepoError)):
+        return PermanentTransportError(f"{what}: repository is gated or disabled{detail}")
+    if status == 401:
+        return PermanentTransportError(
+            f"{what}: authentication failed (HTTP 401): the token is missing, invalid or "
+            f"expired; set HF_TOKEN (or run `hf auth login`){detail}"
+        )
+    if status == 403:
+        return PermanentTransportError(
+            f"{what}: permission denied (HTTP 403): the token may read but not write this "
+            f"repository, or may not see it at all; use a token with write access{detail}"
+        )
+    if status is not None and (status in _TRANSIENT_STATUS or status >= 500):
+        wait = retry_after(response.headers) if response is not None else None
+        return _transient(f"{what}: the Hub answered HTTP {status}{detail}", wait)
+    if status == 409 and "conflicting operation" in detail:
+        return _transient(f"{what}: the Hub is busy with another operation (HTTP 409){detail}")
+    return PermanentTransportError(f"{what}: the Hub refused the request (HTTP {status}){detail}")
+
+
+def classify(error: BaseException, what: str) -> TransportError | None:
+    """The transport error for ``error`` raised by the Hub client while doing ``what``; None
+    for exceptions that are programming errors and must propagate unchanged."""
+    if isinstance(error, TransportError):
+        return error
+    if isinstance(error, LocalEntryNotFoundError) and error.__cause__ is not None:
+        return classify(error.__cause__, what)
+    if isinstance(error, HubRequestFailed):
+        wait = retry_after(error.headers) if error.status is not None else None
+        return _transient(f"{what}: {error}", wait)
+    if isinstance(error, OfflineModeIsEnabled):
+        return PermanentTransportError(f"{what}: HF_HUB_OFFLINE is set, the Hub cannot be reached")
+    if isinstance(error, HfHubHTTPError):
+        return _classify_http(error, what)
+    if isinstance(error, http.TimeoutException):
+        return _transient(f"{what}: timed out ({type(error).__name__})")
+    if isinstance(error, http.UnsupportedProtocol):
+        return PermanentTransportError(f"{what}: bad Hub endpoint URL ({error})")
+    if isinstance(error, http.TransportError):  # connection refused, dropped, proxy failure
+        request = getattr(error, "_request", None)
+        where = f" ({safe_url(request.url)})" if request is not None else ""
+        return _transient(f"{what}: connection failed: {type(error).__name__}{where}")
+    if isinstance(error, HFValidationError):
+        return PermanentTransportError(f"{what}: {error}")
+    if isinstance(error, (PermissionError, FileNotFoundError, IsADirectoryError)):
+        return PermanentTransportError(f"{what}: {error}")  # a local file: missing, forbidden
+    if isinstance(error, OSError):  # local I/O trouble (full disk...) may pass
+        return _transient(f"{what}: {error}")
+    return None

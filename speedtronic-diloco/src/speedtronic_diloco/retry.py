@@ -1,0 +1,56 @@
+"""The retry policy for store calls: transient failures back off and retry, permanent ones
+fail at once, and a stop request cuts every wait short."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from speedtronic_diloco.transport import TransientTransportError
+
+log = logging.getLogger("speedtronic.diloco")
+
+T = TypeVar("T")
+MAX_DELAY = 30.0
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """``retries`` extra attempts after the first, waiting ``backoff * 2**i`` (capped) times a
+    random factor in [0.5, 1] (nodes that failed together do not retry in lockstep), or as long
+    as the store asked (``retry_after``, from ``Retry-After``); gives up rather than wait past
+    ``max_total`` seconds after the first attempt."""
+
+    retries: int = 4
+    backoff: float = 1.0
+    max_total: float = 300.0
+
+    def call(self, what: str, fn: Callable[[], T], stop: threading.Event | None = None) -> T:
+        """Run ``fn``; retry TransientTransportError, re-raise the last one when out of tries
+        or when ``stop`` is set. Other exceptions propagate immediately."""
+        attempt = 0
+        deadline = time.monotonic() + self.max_total
+        while True:
+            try:
+                return fn()
+            except TransientTransportError as exc:
+                if attempt >= self.retries or (stop is not None and stop.is_set()):
+                    raise
+                delay = min(self.backoff * 2**attempt, MAX_DELAY) * random.uniform(0.5, 1.0)
+                if exc.retry_after is not None:
+                    delay = max(delay, exc.retry_after)
+                if time.monotonic() + delay > deadline:
+                    raise
+                attempt += 1
+                log.info("%s failed (%s); retry %d/%d in %.1fs", what, exc, attempt,
+                         self.retries, delay)
+                if stop is not None:
+                    if stop.wait(delay):
+                        raise
+                elif delay > 0:
+                    threading.Event().wait(delay)

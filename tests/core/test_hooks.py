@@ -1,0 +1,430 @@
+"""Every hook is documented and exercised through a real plugin registered with the plugin
+manager; the trainer's hooks are driven by tiny real training runs."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import speedtronic
+from speedtronic import cli, hookimpl, hookspecs, plugins
+from speedtronic.config import SpeedtronicConfig
+from speedtronic.data import build_dataloader
+from speedtronic.errors import ConfigError
+from speedtronic.registry import register_model, unregister_model
+from speedtronic.runtime import build_runtime, train_from_config
+from speedtronic.schema import Section, option
+
+DOCS = Path(__file__).parents[2] / "docs"
+TINY = "core_hooks_tiny"
+
+
+class TinyLM(nn.Module):
+    """A bigram model: small enough that a run of a few steps takes milliseconds."""
+
+    def __init__(self, vocab_size: int = 16, max_seq_len: int = 8) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.max_seq_len = max_seq_len
+        self.embed = nn.Embedding(vocab_size, 8)
+        self.head = nn.Linear(8, vocab_size)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.embed(input_ids))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+@dataclass
+class RecorderConfig(Section):
+    """The in-test plugin's own config section."""
+
+    label: str = option("unset", help="Echoed back by the plugin.")
+
+
+def tiny_config(output_dir: Path, **sections: Any) -> SpeedtronicConfig:
+    data: dict[str, Any] = {
+        "run": {"device": "cpu", "max_steps": 4, "output_dir": str(output_dir), "seed": 7},
+        "model": {"name": TINY},
+        "data": {"micro_batch_size": 2},
+        "precision": {"mode": "fp32"},
+        "optimizer": {"lr": 1e-2},
+        "checkpoint": {"interval": 2, "keep_last": 5},
+        "logging": {"log_every": 1, "progress": False},
+    }
+    for name, values in sections.items():
+        data[name] = {**data.get(name, {}), **values}
+    return SpeedtronicConfig.from_dict(data)
+
+
+Register = Callable[[Any, str], str]
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> Iterator[str]:
+    """The tiny model, registered in-process with ``register_model``."""
+    register_model(TINY, TinyLM)
+    yield TINY
+    unregister_model(TINY)
+
+
+@pytest.fixture
+def register(tiny_model: str) -> Iterator[Register]:
+    """Register in-test plugins with the real plugin manager; removed after the test."""
+    names: list[str] = []
+
+    def register_for_test(plugin: Any, name: str) -> str:
+        names.append(plugins.register(plugin, name=name))
+        return names[-1]
+
+    yield register_for_test
+    for name in names:
+        plugins.unregister(name)
+
+
+# ---------------------------------------------------------------- every hook
+
+
+HOOKS = plugins.hook_names()
+
+
+def test_the_hook_list_is_complete() -> None:
+    specs = [name for name, fn in vars(hookspecs).items() if hasattr(fn, "speedtronic_spec")]
+    assert specs == HOOKS and len(HOOKS) == 10
+
+
+@pytest.mark.parametrize("name", HOOKS)
+def test_every_hook_is_documented_and_exercised(name: str) -> None:
+    spec = getattr(hookspecs, name)
+    doc = inspect.getdoc(spec) or ""
+    assert len(doc) > 80, f"hookspec {name} needs a docstring that explains it"
+    assert callable(globals().get(f"test_hook_{name}")), f"no test_hook_{name} in this module"
+    assert f"\n## {name}\n" in (DOCS / "hooks.md").read_text(), f"{name} missing from docs"
+
+
+# ---------------------------------------------------------------- a recorded run and a resume
+
+
+class Recorder:
+    """Implements every trainer hook and writes down what it saw."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        self.loaded: Any = "never called"
+        self.error: Any = "never called"
+        self.label = ""
+
+    @hookimpl
+    def config_sections(self) -> dict[str, type]:
+        return {"recorder": RecorderConfig}
+
+    @hookimpl
+    def on_train_start(self, trainer: Any) -> None:
+        self.calls.append(("on_train_start", trainer.step))
+        self.label = trainer.config.recorder.label
+
+    @hookimpl
+    def after_optimizer_step(self, trainer: Any, model: Any, step: int) -> None:
+        assert model is trainer.model and step == trainer.step
+        self.calls.append(("after_optimizer_step", step))
+
+    @hookimpl
+    def on_checkpoint(self, trainer: Any, state: dict[str, Any]) -> None:
+        self.calls.append(("on_checkpoint", trainer.step))
+        state["core_test"] = {
+            "step": trainer.step,
+            "weights": torch.arange(3.0) * trainer.step,
+            "label": f"at {trainer.step}",
+            "nested": {"history": [1, 2, trainer.step], "flag": True, "none": None},
+        }
+
+    @hookimpl
+    def on_load_checkpoint(self, trainer: Any, state: dict[str, Any]) -> None:
+        self.calls.append(("on_load_checkpoint", trainer.step))
+        self.loaded = state.get("core_test")
+
+    @hookimpl
+    def on_metric(self, event: str, payload: dict[str, Any]) -> None:
+        self.events.append((event, dict(payload)))
+
+    @hookimpl
+    def on_train_end(self, trainer: Any, error: BaseException | None) -> None:
+        self.calls.append(("on_train_end", trainer.step))
+        self.error = error
+
+
+@dataclass
+class RecordedRuns:
+    first: Recorder
+    resumed: Recorder
+    first_steps: int
+    resumed_steps: int
+    resumed_from: int | None
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> RecordedRuns:
+    """Four steps with checkpoints at 2 and 4, then a resume to step 6."""
+    output = tmp_path_factory.mktemp("hooks-run")
+    first = Recorder()
+    name = plugins.register(first, name="core-test-recorder")
+    try:
+        result = train_from_config(tiny_config(output, recorder={"label": "hi"}), console=False)
+    finally:
+        plugins.unregister(name)
+    resumed = Recorder()
+    name = plugins.register(resumed, name="core-test-recorder")
+    try:
+        config = tiny_config(output, run={"max_steps": 6}, checkpoint={"resume": True})
+        again = train_from_config(config, console=False)
+    finally:
+        plugins.unregister(name)
+    return RecordedRuns(first, resumed, result.steps, again.steps, again.resumed_from)
+
+
+def test_hook_on_train_start(runs: RecordedRuns) -> None:
+    assert runs.first.calls[0] == ("on_train_start", 0)
+    assert runs.first.calls.count(("on_train_start", 0)) == 1
+    # The plugin's own config section reached it through trainer.config.
+    assert runs.first.label == "hi" and runs.resumed.label == "unset"
+
+
+def test_hook_after_optimizer_step(runs: RecordedRuns) -> None:
+    steps = [step for hook, step in runs.first.calls if hook == "after_optimizer_step"]
+    assert steps == [1, 2, 3, 4] and runs.first_steps == 4
+    resumed = [step for hook, step in runs.resumed.calls if hook == "after_optimizer_step"]
+    assert resumed == [5, 6]
+
+
+def test_hook_on_checkpoint(runs: RecordedRuns) -> None:
+    checkpoints = [call for call in runs.first.calls if call[0] == "on_checkpoint"]
+    assert checkpoints == [("on_checkpoint", 2), ("on_checkpoint", 4)]
+    # Called while the checkpoint is assembled: after the step it belongs to.
+    calls = runs.first.calls
+    assert calls.index(("on_checkpoint", 2)) == calls.index(("after_optimizer_step", 2)) + 1
+
+
+def test_hook_on_load_checkpoint(runs: RecordedRuns) -> None:
+    assert runs.resumed_from == 4 and runs.resumed_steps == 6
+    # Before on_train_start, with exactly what on_checkpoint stored at step 4.
+    assert runs.resumed.calls[:2] == [("on_load_checkpoint", 4), ("on_train_start", 4)]
+    loaded = runs.resumed.loaded
+    assert loaded["step"] == 4 and loaded["label"] == "at 4"
+    assert torch.equal(loaded["weights"], torch.tensor([0.0, 4.0, 8.0]))
+    assert loaded["nested"] == {"history": [1, 2, 4], "flag": True, "none": None}
+    assert runs.first.loaded == "never called"  # a fresh run restores nothing
+
+
+def test_hook_on_train_end(runs: RecordedRuns) -> None:
+    assert runs.first.calls[-1] == ("on_train_end", 4) and runs.first.error is None
+    assert runs.resumed.calls[-1] == ("on_train_end", 6)
+
+
+def test_hook_on_train_end_receives_the_error(register: Register, tmp_path: Path) -> None:
+    class FailsAtStepTwo:
+        error: Any = "never called"
+
+        @hookimpl
+        def after_optimizer_step(self, step: int) -> None:
+            if step == 2:
+                raise RuntimeError("plugin failure at step 2")
+
+        @hookimpl
+        def on_train_end(self, error: BaseException | None) -> None:
+            self.error = error
+
+    plugin = FailsAtStepTwo()
+    register(plugin, "core-test-fails")
+    with pytest.raises(RuntimeError, match="plugin failure at step 2") as caught:
+        train_from_config(tiny_config(tmp_path), console=False)
+    assert plugin.error is caught.value
+
+
+def test_hook_on_metric(runs: RecordedRuns) -> None:
+    events = runs.first.events
+    names = [event for event, _ in events]
+    assert names[0] == "train_start" and names[-1] == "train_end"
+    assert [p["step"] for e, p in events if e == "step"] == [1, 2, 3, 4]
+    assert [p["step"] for e, p in events if e == "checkpoint"] == [2, 4]
+    step = next(p for e, p in events if e == "step")
+    assert {"loss", "lr", "samples_per_sec", "tokens_per_sec"} <= set(step)
+    for _, payload in events:
+        json.dumps(payload)  # JSON-compatible, as the hook promises
+    assert events[-1][1]["status"] == "ok" and events[-1][1]["steps"] == 4
+
+
+def test_hook_on_metric_failure_never_stops_training(
+    register: Register, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    class BrokenSink:
+        calls = 0
+
+        @hookimpl
+        def on_metric(self, event: str) -> None:
+            self.calls += 1
+            raise OSError("disk full")
+
+    sink = BrokenSink()
+    register(sink, "core-test-broken-sink")
+    with caplog.at_level(logging.WARNING, logger="speedtronic"):
+        result = train_from_config(tiny_config(tmp_path), console=False)
+    assert result.steps == 4 and sink.calls > 4
+    warnings = [r.getMessage() for r in caplog.records if "core-test-broken-sink" in r.getMessage()]
+    assert len(warnings) == 1 and "disk full" in warnings[0]
+
+
+# ---------------------------------------------------------------- weights replaced
+
+
+class Replacer:
+    """Zeroes the weights after step 2 and says so; records the optimizer's step counter."""
+
+    def __init__(self, keep_optimizer_state: bool = False) -> None:
+        self.keep = keep_optimizer_state
+        self.adam_steps: list[int] = []
+
+    @hookimpl
+    def on_train_start(self, trainer: Any) -> None:
+        if self.keep:
+            trainer.reset_optimizer_on_weight_replace = False
+
+    @hookimpl
+    def after_optimizer_step(self, trainer: Any, model: nn.Module, step: int) -> bool | None:
+        states = trainer.optimizer.state.values()
+        self.adam_steps.append(max(int(state["step"]) for state in states))
+        if step != 2:
+            return None
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.zero_()
+        return True
+
+
+@pytest.mark.parametrize(("keep", "expected"), [(False, [1, 2, 1, 2]), (True, [1, 2, 3, 4])])
+def test_hook_after_optimizer_step_true_resets_the_optimizer(
+    register: Register, tmp_path: Path, keep: bool, expected: list[int]
+) -> None:
+    replacer = Replacer(keep_optimizer_state=keep)
+    register(replacer, "core-test-replacer")
+    result = train_from_config(tiny_config(tmp_path), console=False)
+    assert replacer.adam_steps == expected
+    assert result.summary["weights_replaced"] == 1
+
+
+# ---------------------------------------------------------------- hooks outside the loop
+
+
+def test_hook_build_model(register: Register) -> None:
+    class Builds:
+        asked: list[str] = []
+
+        @hookimpl
+        def build_model(self, name: str, params: dict[str, Any]) -> Any:
+            self.asked.append(name)
+            return nn.Linear(params["width"], 1) if name == "core_hooks_linear" else None
+
+    class AlsoBuilds:
+        @hookimpl
+        def build_model(self, name: str) -> Any:  # a subset of the arguments
+            return nn.Identity() if name == "core_hooks_linear" else None
+
+    first = Builds()
+    register(first, "core-test-builds")
+    model = speedtronic.build_model("core_hooks_linear", width=3)
+    assert isinstance(model, nn.Linear) and model.in_features == 3
+    # Names the plugin does not know fall through to the next plugin (the registry here).
+    assert isinstance(speedtronic.build_model(TINY), TinyLM)
+    assert first.asked == ["core_hooks_linear", TINY]
+    # First result: the most recently registered answer wins and stops the call.
+    register(AlsoBuilds(), "core-test-also-builds")
+    assert isinstance(speedtronic.build_model("core_hooks_linear", width=3), nn.Identity)
+    assert first.asked == ["core_hooks_linear", TINY]
+
+
+def test_hook_config_sections(register: Register) -> None:
+    class Contributes:
+        @hookimpl
+        def config_sections(self) -> dict[str, type]:
+            return {"recorder": RecorderConfig}
+
+    with pytest.raises(ConfigError, match="recorder: unknown key"):
+        SpeedtronicConfig.from_dict({"recorder": {"label": "x"}})
+    register(Contributes(), "core-test-contributes")
+    config = SpeedtronicConfig.from_dict({"recorder": {"label": "x"}})
+    assert config.recorder == RecorderConfig(label="x")
+    assert config.to_dict()["recorder"] == {"label": "x"}
+    with pytest.raises(ConfigError, match=r"recorder\.lable: unknown key; did you mean 'label'"):
+        SpeedtronicConfig.from_dict({"recorder": {"lable": "x"}})
+
+
+def test_hook_data_seed(register: Register, tmp_path: Path) -> None:
+    class Seeds:
+        seen: list[tuple[Any, int]] = []
+
+        @hookimpl
+        def data_seed(self, config: Any, seed: int) -> int:
+            self.seen.append((config, seed))
+            return seed + 1000
+
+    class Abstains:
+        @hookimpl
+        def data_seed(self) -> None:
+            return None
+
+    seeds = Seeds()
+    register(seeds, "core-test-seeds")
+    register(Abstains(), "core-test-abstains")  # asked first; None passes the turn on
+    config = tiny_config(tmp_path)
+    runtime = build_runtime(config, console=False)
+    runtime.metrics.close()
+    assert seeds.seen == [(config, 7)]
+
+    def first_batch(seed: int) -> torch.Tensor:
+        source = build_dataloader(config, seq_len=8, vocab_size=16, seed=seed)
+        return next(source.iterate(0))["input_ids"]
+
+    used = next(runtime.data.iterate(0))["input_ids"]
+    assert torch.equal(used, first_batch(1007))
+    assert not torch.equal(used, first_batch(7))
+
+
+def test_hook_register_commands(register: Register, capsys: pytest.CaptureFixture[str]) -> None:
+    class Commands:
+        @hookimpl
+        def register_commands(self, subparsers: Any) -> None:
+            echo = subparsers.add_parser("core-test-echo", help="print a word")
+            echo.add_argument("word")
+            echo.set_defaults(handler=self.echo)
+
+        def echo(self, args: Any) -> int:
+            if args.word == "bad":
+                raise ConfigError("not a good word", "word")
+            print(f"echo {args.word}")
+            return 3
+
+    class Breaks:
+        @hookimpl
+        def register_commands(self, subparsers: Any) -> None:
+            raise RuntimeError("cannot add commands")
+
+    register(Commands(), "core-test-commands")
+    register(Breaks(), "core-test-breaks")
+    assert cli.main(["core-test-echo", "hello"]) == 3
+    out, err = capsys.readouterr()
+    assert out == "echo hello\n"
+    assert "plugin 'core-test-breaks' could not add its commands" in err
+    # A user error raised by a plugin command is one line and exit 2, like core's commands.
+    assert cli.main(["core-test-echo", "bad"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == "error: word: not a good word"
+    assert cli.main(["--debug", "core-test-echo", "x"]) == 3  # --debug works before
+    assert cli.main(["core-test-echo", "x", "--debug"]) == 3  # ... and after the command

@@ -1,0 +1,216 @@
+"""`speedtronic train --resume` as a real subprocess: SIGKILL at random moments, then resume.
+
+The resumed chain must reproduce the per-step losses of an uninterrupted run, which proves both
+that every kill left a loadable checkpoint and that resuming is exact.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from speedtronic.runtime import build_runtime
+
+MAX_STEPS = 24
+TOL = 1e-6
+pytestmark = pytest.mark.slow
+
+
+def run_config(output_dir: Path) -> dict[str, Any]:
+    return {
+        "run": {"seed": 0, "device": "cpu", "max_steps": MAX_STEPS, "output_dir": str(output_dir)},
+        "model": {
+            "name": "reference_transformer",
+            "vocab_size": 256,
+            "max_seq_len": 16,
+            "n_layer": 1,
+            "n_head": 2,
+            "n_kv_head": 1,
+            "d_model": 32,
+            "dropout": 0.1,
+        },
+        "data": {"micro_batch_size": 2, "target_batch_size": 4, "num_workers": 0},
+        "optimizer": {"lr": 3e-3},
+        "scheduler": {"warmup_steps": 2},
+        "precision": {"mode": "fp32"},
+        "checkpoint": {"interval": 1, "keep_last": 2},
+        "logging": {"log_every": 1, "progress": False},
+    }
+
+
+def straight_losses(tmp_path: Path) -> dict[int, float]:
+    losses: dict[int, float] = {}
+
+    def hook(event: str, payload: dict[str, Any]) -> None:
+        if event == "step":
+            losses[payload["step"]] = payload["loss"]
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        config = run_config(tmp_path / "straight")
+        config["checkpoint"]["interval"] = 0
+        build_runtime(copy.deepcopy(config), hooks=[hook], console=False).trainer.fit()
+    finally:
+        torch.set_num_threads(threads)
+    assert set(losses) == set(range(1, MAX_STEPS + 1))
+    return losses
+
+
+def launch(config_file: Path, jsonl: Path, *extra: str) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", SPEEDTRONIC_LOAD_PLUGINS="reference_transformer")
+    command = [
+        sys.executable,
+        "-m",
+        "speedtronic",
+        "train",
+        "--config",
+        str(config_file),
+        "--resume",
+        "--set",
+        f"logging.json_file={jsonl}",
+        *extra,
+    ]
+    log = open(jsonl.with_suffix(".out"), "wb")  # noqa: SIM115 - closed when the child ends
+    try:
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    finally:
+        log.close()
+
+
+def events(jsonl: Path) -> list[dict[str, Any]]:
+    """The complete JSON lines of a metrics file (a SIGKILL may tear the last one)."""
+    if not jsonl.exists():
+        return []
+    records = []
+    for line in jsonl.read_text(encoding="utf-8").splitlines(keepends=True):
+        if line.endswith("\n"):
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                pass
+    return records
+
+
+def last_step(jsonl: Path) -> int:
+    return max((e["step"] for e in events(jsonl) if e["event"] == "step"), default=0)
+
+
+def wait_until(
+    condition: Callable[[], bool], process: subprocess.Popen[bytes], timeout: float = 60.0
+) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if process.poll() is not None:
+            output = Path(process.args[-1].split("=", 1)[1]).with_suffix(".out")  # type: ignore[index]
+            pytest.fail(
+                f"training exited with {process.returncode} early:\n"
+                f"{output.read_text(errors='replace')[-3000:]}"
+            )
+        if time.monotonic() > deadline:
+            process.kill()
+            pytest.fail("training made no progress within the timeout")
+        time.sleep(0.005)
+
+
+def test_sigkill_at_random_moments_then_resume_reproduces_the_straight_run(
+    tmp_path: Path,
+) -> None:
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(yaml.safe_dump(run_config(tmp_path / "run")))
+    expected = straight_losses(tmp_path)
+    rng = random.Random(20240611)
+    segments: list[Path] = []
+    target = 0
+    for index in range(4):
+        target += rng.randint(2, 5)
+        jsonl = tmp_path / f"segment{index}.jsonl"
+        segments.append(jsonl)
+        process = launch(config_file, jsonl)
+        wait_until(lambda j=jsonl, t=target: last_step(j) >= t, process)
+        # Where inside the step or the checkpoint write the kill lands is left to chance.
+        time.sleep(rng.uniform(0.0, 0.03))
+        process.send_signal(signal.SIGKILL)
+        assert process.wait(timeout=30) == -signal.SIGKILL
+    final = tmp_path / "final.jsonl"
+    segments.append(final)
+    process = launch(config_file, final)
+    assert process.wait(timeout=120) == 0, final.with_suffix(".out").read_text()
+
+    seen: set[int] = set()
+    for previous, current in itertools.pairwise(segments):
+        logged = last_step(previous)
+        start = next(e for e in events(current) if e["event"] == "train_start")["start_step"]
+        # With interval 1, step s is logged only after checkpoint s-1 is durable, and the
+        # checkpoint of step s is written only after step s is logged.
+        assert logged - 1 <= start <= logged, (previous.name, logged, start)
+        resumed = [e["step"] for e in events(current) if e["event"] == "resumed"]
+        assert resumed == ([start] if start else [])
+    for jsonl in segments:
+        for record in events(jsonl):
+            if record["event"] == "step":
+                step = record["step"]
+                seen.add(step)
+                assert abs(record["loss"] - expected[step]) <= TOL, (jsonl.name, step)
+    assert seen == set(range(1, MAX_STEPS + 1))
+    end = [e for e in events(final) if e["event"] == "train_end"]
+    assert end and end[0]["status"] == "ok" and end[0]["steps"] == MAX_STEPS
+
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == [
+        "latest.json",
+        f"step_{MAX_STEPS - 1:08d}",
+        f"step_{MAX_STEPS:08d}",
+    ]
+
+
+def test_cli_finished_run_and_unusable_checkpoints(tmp_path: Path) -> None:
+    config = run_config(tmp_path / "run")
+    config["run"]["max_steps"] = 3
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(yaml.safe_dump(config))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        build_runtime(copy.deepcopy(config), console=False).trainer.fit()
+    finally:
+        torch.set_num_threads(threads)
+
+    finished = subprocess.run(
+        [sys.executable, "-m", "speedtronic", "train", "--config", str(config_file), "--resume"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, OMP_NUM_THREADS="1", SPEEDTRONIC_LOAD_PLUGINS="reference_transformer"),
+    )
+    assert finished.returncode == 0, finished.stderr
+    assert "already finished" in finished.stdout + finished.stderr
+
+    for path in (tmp_path / "run" / "checkpoints").glob("step_*"):
+        (path / "tensors.safetensors").write_bytes(b"\x00" * 16)
+    broken = subprocess.run(
+        [sys.executable, "-m", "speedtronic", "train", "--config", str(config_file), "--resume"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, OMP_NUM_THREADS="1", SPEEDTRONIC_LOAD_PLUGINS="reference_transformer"),
+    )
+    assert broken.returncode == 2
+    assert "Traceback" not in broken.stderr
+    last = broken.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: no usable checkpoint") and "allow_fresh_start" in last
+    assert "step_00000003" in broken.stderr  # the warning names the skipped checkpoint

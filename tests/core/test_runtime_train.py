@@ -1,0 +1,148 @@
+"""build_runtime / train_from_config: wiring from a config to a finished run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from speedtronic import SpeedtronicConfig, SpeedtronicError, hookimpl, plugins
+from speedtronic.runtime import build_runtime, train_from_config
+from speedtronic.trainer import TrainResult
+
+SMOKE = Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_the_smoke_config_learns(tmp_path):
+    config = SpeedtronicConfig.from_file(SMOKE).with_overrides([
+        "run.max_steps=20", "data.target_batch_size=8", "logging.log_every=5",
+        f"run.output_dir={tmp_path}", "checkpoint.interval=0", "checkpoint.save_final=false",
+    ])
+    losses: list[float] = []
+    result = train_from_config(config, console=False,
+                               hooks=[lambda e, p: losses.append(p["loss"]) if e == "step" else None])
+    assert isinstance(result, TrainResult)
+    assert result.steps == 20 and len(losses) == 4
+    assert losses[0] > 5.0  # about log(256) at the start
+    assert result.final_loss == losses[-1] < losses[0] - 1.0
+
+
+def test_build_runtime_wires_the_configured_pieces(tmp_path):
+    config = {
+        "run": {"device": "cpu", "max_steps": 3, "output_dir": str(tmp_path / "out")},
+        "model": {"name": "reference_transformer", "vocab_size": 32, "max_seq_len": 8,
+                  "n_layer": 1, "n_head": 2, "d_model": 16},
+        "data": {"micro_batch_size": 2},
+        "precision": {"mode": "auto"},
+        "checkpoint": {"save_final": False},
+        "logging": {"log_every": 1, "file": str(tmp_path / "metrics.log"),
+                    "json_file": str(tmp_path / "metrics.jsonl")},
+    }
+    events: list[str] = []
+    runtime = build_runtime(config, hooks=[lambda event, payload: events.append(event)],
+                            console=False)
+    assert type(runtime.model).__name__ == "ReferenceTransformer"
+    assert runtime.trainer.model is runtime.model
+    assert runtime.trainer.metrics is runtime.metrics
+    assert runtime.trainer.precision.mode == "fp32"  # auto on CPU
+    assert "synthetic (vocab 32, seq 8, seed 0)" == runtime.data.description
+    result = runtime.trainer.fit()
+    assert (result.steps, result.samples, result.tokens) == (3, 6, 48)
+    assert result.elapsed_s > 0 and result.resumed_from is None
+    assert result.summary["status"] == "ok"
+    assert events.count("step") == 3
+    jsonl = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in jsonl if r["event"] == "step"] == [1, 2, 3]
+    assert len((tmp_path / "metrics.log").read_text().splitlines()) == len(jsonl)
+
+
+class Pairs(Dataset):
+    """(inputs, labels) samples with labels = inputs + 1."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int):
+        inputs = (torch.arange(6) + index) % 10
+        return inputs, (inputs + 1) % 10
+
+
+class Counter(nn.Module):
+    vocab_size = 10
+    max_seq_len = 6
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(10, 10)
+
+    def forward(self, input_ids, labels):  # tuple batches arrive positionally, dicts by name
+        return F.cross_entropy(self.table(input_ids).view(-1, 10), labels.reshape(-1))
+
+
+def test_user_model_dataset_and_tokenizer_are_passed_through(tmp_path):
+    base = {"run": {"device": "cpu", "max_steps": 30, "output_dir": str(tmp_path)},
+            "data": {"micro_batch_size": 4, "shuffle": True},
+            "optimizer": {"lr": 0.1}, "checkpoint": {"save_final": False},
+            "logging": {"log_every": 10}}
+    result = train_from_config(base, model=Counter(), dataset=Pairs(), console=False)
+    assert result.steps == 30 and result.samples == 120
+    assert result.final_loss < 1.0  # log(10) = 2.3 before training
+
+    text = tmp_path / "digits.txt"
+    text.write_text("0123456789\n" * 50)
+    tokens: list[str] = []
+
+    def digits(chunk: str) -> list[int]:
+        tokens.append(chunk)
+        return [int(c) for c in chunk if c.isdigit()]
+
+    with_text = {**base, "data": {"micro_batch_size": 4, "text_path": str(text)}}
+    result = train_from_config(with_text, model=Counter(), tokenizer=digits, console=False)
+    assert result.steps == 30 and tokens and result.final_loss < 1.0
+
+
+def test_data_seed_hook_changes_the_stream(tmp_path):
+    class Seeder:
+        @hookimpl
+        def data_seed(self, config, seed):
+            return seed + 1000
+
+    config = {"run": {"device": "cpu", "max_steps": 1, "output_dir": str(tmp_path)},
+              "model": {"name": "reference_transformer", "vocab_size": 32, "max_seq_len": 8,
+                        "n_layer": 1, "n_head": 2, "d_model": 16}}
+    name = plugins.register(Seeder(), name="test-runtime-seeder")
+    try:
+        runtime = build_runtime(config, console=False)
+    finally:
+        plugins.unregister(name)
+    assert "seed 1000" in runtime.data.description
+
+
+def test_sinks_are_closed_when_the_trainer_cannot_be_built(tmp_path):
+    closed: list[bool] = []
+
+    class Sink:
+        def on_event(self, event, payload):
+            pass
+
+        def close(self):
+            closed.append(True)
+
+    frozen = Counter().requires_grad_(False)
+    config = {"run": {"device": "cpu", "output_dir": str(tmp_path)}}
+    with pytest.raises(SpeedtronicError, match="no trainable parameters"):
+        build_runtime(config, model=frozen, hooks=[Sink()], console=False)
+    assert closed == [True]

@@ -1,0 +1,54 @@
+"""Shared pieces for the Hub transport tests: a running emulator and transports bound to it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import huggingface_hub
+import pytest
+from hub_emulator import HubEmulator
+from huggingface_hub import constants
+
+from speedtronic_diloco.hub import HubTransport
+from speedtronic_diloco.transport import GlobalMetadata
+
+TOKEN = "hf_test_secret_token"
+REPO = "speedtronic/diloco-run"
+
+
+@pytest.fixture(name="hub")
+def hub_fixture(monkeypatch: pytest.MonkeyPatch) -> Iterator[HubEmulator]:
+    """A running emulator; the client's shared connections are dropped around it. Import
+    ``hub_fixture`` into a test module to get the ``hub`` fixture."""
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    huggingface_hub.close_session()
+    with HubEmulator() as emulator:
+        yield emulator
+    huggingface_hub.close_session()
+
+
+def transport(hub: HubEmulator, timeout: float = 5.0, token: str = TOKEN) -> HubTransport:
+    """A HubTransport on the emulator's REPO."""
+    return HubTransport(REPO, token=token, endpoint=hub.endpoint, request_timeout=timeout)
+
+
+def publish(
+    store: HubTransport, tmp_path: Path, outer_step: int, data: bytes, master: str = "node-a"
+) -> GlobalMetadata:
+    """Publish ``data`` as the global weights of ``outer_step``."""
+    path = tmp_path / f"publish-{master}-{outer_step}.safetensors"
+    path.write_bytes(data)
+    metadata = GlobalMetadata.for_file(
+        path, outer_step, published_at=time.time(), master=master, deltas_included=1
+    )
+    return store.publish_global(path, metadata)
+
+
+def delta_file(tmp_path: Path, name: str, data: bytes) -> Path:
+    """A local file to upload as a delta."""
+    path = tmp_path / name
+    path.write_bytes(data)
+    return path

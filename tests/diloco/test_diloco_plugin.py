@@ -1,0 +1,152 @@
+"""The plugin's hooks in a real Trainer: the ``distributed`` section, per-node data seeds,
+coordinator start/stop, the optimizer-reset switch, checkpointed coordinator state, metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import speedtronic
+from speedtronic.config import SpeedtronicConfig
+from speedtronic.errors import ConfigError
+from speedtronic.plugins import get_plugin_manager, list_plugins
+from speedtronic.runtime import build_runtime
+from speedtronic_diloco import DistributedConfig, DumbDiLoCoCoordinator, SyncResult
+from speedtronic_diloco.plugin import coordinator_of
+from speedtronic_diloco.shared_dir import SharedDirectoryTransport
+
+
+def config_dict(tmp_path: Path, **distributed: Any) -> dict[str, Any]:
+    section = {
+        "enabled": True, "role": "master", "node_id": "m", "repo_id": f"file://{tmp_path}/store",
+        "inner_steps": 4, "poll_interval": 0.05, "max_retries": 0,
+    }
+    section.update(distributed)
+    return {
+        "run": {"name": "t", "max_steps": 12, "device": "cpu", "seed": 0,
+                "output_dir": str(tmp_path / "run")},
+        "model": {"name": "reference_transformer", "vocab_size": 32, "max_seq_len": 16,
+                  "n_layer": 1, "n_head": 2, "n_kv_head": 1, "d_model": 16},
+        "data": {"micro_batch_size": 4},
+        "precision": {"mode": "fp32"},
+        "logging": {"log_every": 4, "progress": False},
+        "checkpoint": {"interval": 6},
+        "distributed": section,
+    }
+
+
+def test_public_names_resolve_through_core() -> None:
+    assert speedtronic.DumbDiLoCoCoordinator is DumbDiLoCoCoordinator
+    assert speedtronic.DumbDiLoCo is DumbDiLoCoCoordinator
+    assert speedtronic.SyncResult is SyncResult
+    from speedtronic.config import DistributedConfig as seed_era_config
+    from speedtronic.distributed import MasterOuterLoop
+
+    assert seed_era_config is DistributedConfig
+    assert MasterOuterLoop.__module__ == "speedtronic_diloco.outer"
+    assert SyncResult(pushed=True, loaded_global=False, outer_step=3).outer_step == 3
+    (row,) = [p for p in list_plugins() if p.name == "diloco"]
+    assert {"config_sections", "after_optimizer_step", "on_checkpoint", "data_seed"} <= set(
+        row.hooks)
+
+
+def test_distributed_section_is_validated_and_redacted(tmp_path: Path) -> None:
+    data = config_dict(tmp_path, token="hf_secret")
+    config = SpeedtronicConfig.from_dict(data)
+    assert isinstance(config.distributed, DistributedConfig)
+    assert config.distributed.async_delta_upload is True  # the v2 default
+    assert config.to_dict(redact=True)["distributed"]["token"] == "<redacted>"
+    data["distributed"]["bogus"] = 1
+    with pytest.raises(ConfigError, match="distributed.bogus"):
+        SpeedtronicConfig.from_dict(data)
+    for bad in ("..", "a/b", "a\\b", "."):
+        with pytest.raises(ConfigError, match="distributed.node_id"):
+            SpeedtronicConfig.from_dict(config_dict(tmp_path, node_id=bad))
+    with pytest.raises(ConfigError, match="distributed.repo_id"):
+        SpeedtronicConfig.from_dict(config_dict(tmp_path, repo_id=None))
+    with pytest.raises(ConfigError, match="distributed.outer_momentum"):
+        SpeedtronicConfig.from_dict(config_dict(tmp_path, outer_momentum=1.0))
+
+
+def test_each_node_draws_its_own_data(tmp_path: Path) -> None:
+    hook = get_plugin_manager().hook.data_seed
+    seeds = {
+        node: hook(config=SpeedtronicConfig.from_dict(config_dict(tmp_path, node_id=node)),
+                   seed=0)
+        for node in ("a", "b")
+    }
+    assert None not in seeds.values() and seeds["a"] != seeds["b"]
+    disabled = SpeedtronicConfig.from_dict(config_dict(tmp_path, enabled=False))
+    assert hook(config=disabled, seed=0) is None
+    batches = []
+    for node in ("a", "b"):
+        runtime = build_runtime(config_dict(tmp_path, node_id=node), console=False)
+        batches.append(next(runtime.data.iterate(0))["input_ids"])
+        runtime.metrics.close()
+    assert not torch.equal(batches[0], batches[1])
+
+
+def test_master_training_run_through_hooks(tmp_path: Path) -> None:
+    events: list[tuple[str, dict[str, Any]]] = []
+    runtime = build_runtime(config_dict(tmp_path), console=False,
+                            hooks=[lambda e, p: events.append((e, p))])
+    trainer = runtime.trainer
+    result = trainer.fit()
+    assert result.steps == 12
+    coordinator = coordinator_of(trainer)
+    assert coordinator is not None and not coordinator.started  # stopped at train end
+    assert coordinator.state_root == tmp_path / "run" / "diloco" / "m"
+    assert trainer.reset_optimizer_on_weight_replace is True
+    assert trainer.weights_replaced >= 3  # one push per boundary
+    store = SharedDirectoryTransport(tmp_path / "store")
+    assert store.read_global_metadata() is not None
+    assert {info.local_step for info in store.list_deltas()} == {4, 8, 12}
+    uploaded = [p["step"] for e, p in events if e == "delta_uploaded"]
+    assert sorted(uploaded) == [4, 8, 12]
+    loaded = trainer.checkpoints.load_latest()
+    saved = loaded.state["plugins"]["diloco"]
+    assert saved["node_id"] == "m" and saved["local_step"] == 12
+    assert "outer" in saved and "baseline" in saved
+
+
+def test_reset_inner_optimizer_switch(tmp_path: Path) -> None:
+    runtime = build_runtime(config_dict(tmp_path, reset_inner_optimizer=False,
+                                        role="worker", node_id="w"), console=False)
+    runtime.trainer.fit()
+    assert runtime.trainer.reset_optimizer_on_weight_replace is False
+    assert runtime.trainer.optimizer.state  # never cleared
+
+
+def test_resume_hands_checkpoint_state_over_before_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = build_runtime(config_dict(tmp_path, role="worker", node_id="w"), console=False)
+    first.trainer.fit()
+    saved = first.trainer.checkpoints.load_latest().state["plugins"]["diloco"]
+    order: list[tuple[str, bool]] = []
+    real_load = DumbDiLoCoCoordinator.load_state_dict
+    real_start = DumbDiLoCoCoordinator.start
+
+    def load(self: DumbDiLoCoCoordinator, state: dict[str, Any]) -> None:
+        order.append(("load", self.started))
+        real_load(self, state)
+
+    def start(self: DumbDiLoCoCoordinator) -> None:
+        order.append(("start", self.started))
+        real_start(self)
+
+    monkeypatch.setattr(DumbDiLoCoCoordinator, "load_state_dict", load)
+    monkeypatch.setattr(DumbDiLoCoCoordinator, "start", start)
+    data = config_dict(tmp_path, role="worker", node_id="w")
+    data["run"]["max_steps"] = 16
+    data["checkpoint"]["resume"] = True
+    second = build_runtime(data, console=False)
+    result = second.trainer.fit()
+    assert result.resumed_from == 12 and result.steps == 16
+    assert order[:2] == [("load", False), ("start", False)]  # prepared startup state
+    coordinator = coordinator_of(second.trainer)
+    assert coordinator.local_step == 16
+    assert coordinator.last_global_step >= saved["last_global_step"]

@@ -1,0 +1,171 @@
+"""DumbDiLoCo over a "Hub": ``speedtronic train`` as a master and two workers, syncing through
+the real huggingface_hub client talking HTTP to tests/hub_emulator.py in this process.
+
+One scenario: the master creates the repository, outer steps advance with both workers'
+deltas; then transient faults (5xx, 429 with Retry-After, a dropped connection) hit commits,
+listings and downloads, and the run carries on past them. The emulator requires the token on
+every request (one worker has it in its config, the others from HF_TOKEN), and afterwards the
+token is nowhere in the logs, metrics, checkpoints, DiLoCo state or ``validate`` output.
+Every wait is bounded polling; nothing asserts a duration.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from hub_emulator import HubEmulator
+from test_diloco_multiprocess import MODEL, Node, wait_until
+
+from speedtronic_diloco.transport import GLOBAL_METADATA, GlobalMetadata
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "hf_test_secret_token"
+REPO = "org/run"
+
+
+def write_config(tmp_path: Path, name: str, **distributed: Any) -> Path:
+    """A small run whose store is the Hub repository REPO."""
+    config = {
+        "run": {"name": "diloco-hub-e2e", "seed": 0, "device": "cpu", "max_steps": 1_000_000},
+        "model": {"name": "reference_transformer", **MODEL},
+        "data": {"micro_batch_size": 8},
+        "optimizer": {"lr": 3.0e-3, "weight_decay": 0.0},
+        "scheduler": {"name": "constant"},
+        "precision": {"mode": "fp32"},
+        "checkpoint": {"interval": 10, "keep_last": 2},
+        "logging": {"log_every": 10, "progress": False},
+        "distributed": {
+            "enabled": True,
+            "repo_id": REPO,
+            "inner_steps": 5,
+            "poll_interval": 0.3,
+            "outer_lr": 0.7,
+            "outer_momentum": 0.5,
+            "max_retries": 4,
+            "retry_backoff": 0.1,
+            "request_timeout": 10.0,
+            **distributed,
+        },
+    }
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture
+def hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[HubEmulator]:
+    """An emulator demanding TOKEN; child processes find it through HF_ENDPOINT / HF_TOKEN."""
+    with HubEmulator(require_token=TOKEN) as emulator:
+        monkeypatch.setenv("HF_ENDPOINT", emulator.endpoint)
+        monkeypatch.setenv("HF_TOKEN", TOKEN)
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        yield emulator
+
+
+def published(hub: HubEmulator) -> GlobalMetadata | None:
+    try:
+        raw = hub.files(REPO).get(GLOBAL_METADATA)
+    except KeyError:  # no repository yet
+        return None
+    return GlobalMetadata.loads(raw) if raw else None
+
+
+def test_master_and_two_workers_through_the_hub(hub: HubEmulator, tmp_path: Path) -> None:
+    shared_config = write_config(tmp_path, "hub.yaml")
+    # w2 names the endpoint and the token in its config instead of the environment.
+    w2_config = write_config(tmp_path, "hub-w2.yaml", endpoint=hub.endpoint, token=TOKEN)
+    master = Node(tmp_path, shared_config, "master", "master")
+    workers = [
+        Node(tmp_path, shared_config, "worker", "w1"),
+        Node(tmp_path, w2_config, "worker", "w2"),
+    ]
+    nodes = [master, *workers]
+    try:
+        master.start()
+        wait_until(lambda: published(hub) is not None, [master], "the master's first global")
+        assert hub.files(REPO).keys() >= {".gitattributes", "global/latest.safetensors"}
+        for worker in workers:
+            worker.start()
+
+        # Phase 1: outer steps advance with both workers' deltas.
+        def both_workers_in() -> bool:
+            meta = published(hub)
+            return bool(meta and meta.outer_step >= 3) and {"w1", "w2"} <= {
+                node for node, _, _ in meta.processed
+            }
+
+        wait_until(both_workers_in, nodes, "outer steps with both workers' deltas")
+
+        # Phase 2: transient faults on every kind of request; the run carries on.
+        at_faults = published(hub).outer_step  # type: ignore[union-attr]
+        hub.inject("commit", status=503, count=2)
+        hub.inject("preupload", status=500)
+        hub.inject("tree", status=429, retry_after=1)
+        hub.inject_drop("resolve", method="GET")
+        wait_until(
+            lambda: hub.faults_left() == 0 and published(hub).outer_step >= at_faults + 2,  # type: ignore[union-attr]
+            nodes,
+            "outer steps after the injected faults",
+        )
+        assert {record.authorization for record in hub.requests} == {f"Bearer {TOKEN}"}
+        assert not [r for r in hub.requests if r.status == 401]
+
+        for node in nodes:
+            node.signal(signal.SIGINT)
+        for node in nodes:
+            node.wait(60)
+    finally:
+        for node in nodes:
+            if node.alive():
+                node.process.kill()  # type: ignore[union-attr]
+                node.process.wait(30)  # type: ignore[union-attr]
+
+    # Every commit pairs its metadata with the weights it describes.
+    for sha in hub.history(REPO):
+        files = hub.files(REPO, sha)
+        if GLOBAL_METADATA in files:
+            meta = GlobalMetadata.loads(files[GLOBAL_METADATA])
+            assert meta.sha256 == hashlib.sha256(files[meta.model_file]).hexdigest()
+
+    for node in nodes:
+        log = node.log.read_text()
+        assert "outer round failed" not in log and "Traceback" not in log, node.tail()
+    assert master.events("outer_step") and workers[0].events("global_loaded")
+
+    # The token is nowhere: logs, metrics, checkpoints, DiLoCo state and caches.
+    written_by_us = {shared_config, w2_config}
+    scanned = 0
+    for path in tmp_path.rglob("*"):
+        if path.is_file() and path not in written_by_us:
+            scanned += 1
+            assert TOKEN.encode() not in path.read_bytes(), f"token leaked into {path}"
+    assert scanned > 10
+    for fmt in ("yaml", "json"):
+        shown = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "speedtronic",
+                "validate",
+                "--config",
+                str(w2_config),
+                "--format",
+                fmt,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        assert TOKEN not in shown.stdout + shown.stderr
+        assert "<redacted>" in shown.stdout

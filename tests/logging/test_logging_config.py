@@ -1,0 +1,70 @@
+"""The ``wandb:`` and ``tensorboard:`` sections: defaults, validation, and the install hint."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from speedtronic import ConfigError, SpeedtronicConfig
+from speedtronic.plugins import get_plugin_manager
+from speedtronic_logging.config import TensorBoardConfig, WandbConfig
+
+
+def test_sections_are_off_by_default() -> None:
+    config = SpeedtronicConfig.from_dict({})
+    assert config.wandb == WandbConfig() and config.tensorboard == TensorBoardConfig()
+    assert config.wandb.enabled is False and config.tensorboard.enabled is False
+    assert config.wandb.mode == "online" and config.tensorboard.flush_secs == 30
+
+
+def test_values_are_coerced_and_round_trip() -> None:
+    config = SpeedtronicConfig.from_dict(
+        {
+            "wandb": {"enabled": "true", "project": "p", "tags": ["a", 1], "mode": "offline"},
+            "tensorboard": {"enabled": "yes", "log_dir": "tb", "flush_secs": "5"},
+        }
+    )
+    assert config.wandb.enabled is True and config.wandb.tags == ["a", "1"]
+    assert config.tensorboard.enabled is True and config.tensorboard.flush_secs == 5
+    again = SpeedtronicConfig.from_dict(config.to_dict())
+    assert again.wandb == config.wandb and again.tensorboard == config.tensorboard
+
+
+@pytest.mark.parametrize(
+    ("sections", "path", "words"),
+    [
+        ({"wandb": {"mode": "cloud"}}, "wandb.mode", "'online', 'offline', 'disabled'"),
+        ({"wandb": {"projct": "p"}}, "wandb.projct", "did you mean 'project'"),
+        ({"wandb": {"tags": "a,b"}}, "wandb.tags", "expected a list"),
+        ({"tensorboard": {"flush_secs": 0}}, "tensorboard.flush_secs", ">= 1"),
+        ({"tensorboard": {"enabled": "maybe"}}, "tensorboard.enabled", "boolean"),
+    ],
+)
+def test_bad_values_name_their_field(sections: dict, path: str, words: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        SpeedtronicConfig.from_dict(sections)
+    assert caught.value.path == path
+    assert words in str(caught.value)
+
+
+@pytest.fixture
+def logging_plugin_unloaded() -> Iterator[None]:
+    """The logging plugin taken out of the plugin manager for one test, then put back."""
+    manager = get_plugin_manager()
+    plugin = manager.unregister(name="logging")
+    assert plugin is not None
+    try:
+        yield
+    finally:
+        manager.register(plugin, name="logging")
+
+
+@pytest.mark.usefixtures("logging_plugin_unloaded")
+@pytest.mark.parametrize("section", ["wandb", "tensorboard"])
+def test_without_the_plugin_a_section_says_what_to_install(section: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        SpeedtronicConfig.from_dict({section: {"enabled": True}})
+    assert caught.value.path == section
+    message = str(caught.value)
+    assert "speedtronic-logging" in message and "pip install" in message
