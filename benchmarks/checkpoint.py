@@ -12,7 +12,8 @@ Measured per round, interleaved so machine noise hits both sides alike (medians 
   against ``torch.save`` made durable the same way (temp file, fsync, rename);
 * load: ``CheckpointManager.load_latest`` (pointer, size + sha256 verification, safetensors and
   JSON decode, never pickle) against ``torch.load(weights_only=False)``, the pickle-based load
-  the previous generation used. Both read from the page cache after the first round.
+  the previous generation used; both followed by ``Trainer.load_state_dict`` of the result,
+  which is what a resume pays. Both read from the page cache after the first round.
 
     python benchmarks/checkpoint.py --quick     # about a minute on a busy 2-core CPU machine
     python benchmarks/checkpoint.py             # the figures in docs/checkpoints.md
@@ -35,6 +36,7 @@ import torch
 from speedtronic.checkpoint import CheckpointManager
 from speedtronic.fileio import atomic_write_with
 from speedtronic.runtime import build_runtime
+from speedtronic.trainer import Trainer
 
 MODELS = {
     True: {"vocab_size": 8192, "max_seq_len": 256, "n_layer": 4, "n_head": 4, "n_kv_head": 2,
@@ -44,8 +46,8 @@ MODELS = {
 }  # fmt: skip
 
 
-def trainer_state(quick: bool, workdir: Path) -> dict[str, Any]:
-    """``Trainer.state_dict()`` of the reference model after one AdamW step."""
+def build_trainer(quick: bool, workdir: Path) -> Trainer:
+    """A trainer of the reference model after one AdamW step."""
     config = {
         "run": {"device": "cpu", "max_steps": 10, "output_dir": str(workdir / "run")},
         "model": {"name": "reference_transformer", **MODELS[quick]},
@@ -59,7 +61,7 @@ def trainer_state(quick: bool, workdir: Path) -> dict[str, Any]:
     trainer.optimizer.step()
     trainer.optimizer.zero_grad(set_to_none=True)
     trainer.step = 1
-    return trainer.state_dict()
+    return trainer
 
 
 def state_bytes(state: Any) -> int:
@@ -88,7 +90,8 @@ def main() -> None:
 
     workdir = Path(tempfile.mkdtemp(prefix="speedtronic-ckpt-bench-", dir=args.dir))
     try:
-        state = trainer_state(args.quick, workdir)
+        trainer = build_trainer(args.quick, workdir)
+        state = trainer.state_dict()
         size_mb = state_bytes(state) / 2**20
         manager = CheckpointManager(workdir / "ours", keep_last=1)
         bare = workdir / "bare.pt"
@@ -97,18 +100,27 @@ def main() -> None:
         def durable_save() -> None:
             atomic_write_with(durable, lambda tmp: torch.save(state, tmp))
 
-        times: dict[str, list[float]] = {k: [] for k in (
-            "ours_save", "bare_save", "durable_save", "ours_load", "bare_load", "verify")}
+        times: dict[str, list[float]] = {
+            k: []
+            for k in ("ours_save", "bare_save", "durable_save", "ours_load", "bare_load", "verify")
+        }
         step = 1
         for _ in range(rounds + 1):  # the first round warms caches and allocators
             sample = {}
             sample["bare_save"] = timed(lambda: torch.save(state, bare))
             sample["durable_save"] = timed(durable_save)
             sample["ours_save"] = timed(lambda s=step: manager.save(s, state))
-            sample["bare_load"] = timed(lambda: torch.load(bare, weights_only=False))
-            sample["ours_load"] = timed(manager.load_latest)
-            sample["verify"] = timed(lambda s=step: manager.verify(manager.directory /
-                                                                    f"step_{s:08d}"))
+            # Loading includes restoring into the trainer: that is what a resume pays, and it
+            # is where memory-mapped safetensors pages are finally read.
+            sample["bare_load"] = timed(
+                lambda: trainer.load_state_dict(torch.load(bare, weights_only=False))
+            )
+            sample["ours_load"] = timed(
+                lambda: trainer.load_state_dict(manager.load_latest().state)
+            )
+            sample["verify"] = timed(
+                lambda s=step: manager.verify(manager.directory / f"step_{s:08d}")
+            )
             step += 1
             if step > 2:
                 for key, value in sample.items():
@@ -116,26 +128,47 @@ def main() -> None:
 
         median = {k: statistics.median(v) for k, v in times.items()}
         on_disk = sum(f.stat().st_size for f in manager.candidates()[0].iterdir()) / 2**20
-        print(f"state: {size_mb:.0f} MB of tensors ({'quick' if args.quick else 'reference-small'}"
-              f" model), checkpoint on disk {on_disk:.0f} MB, torch.save file "
-              f"{bare.stat().st_size / 2**20:.0f} MB; medians of {rounds} rounds, "
-              f"{torch.get_num_threads()} threads")
+        print(
+            f"state: {size_mb:.0f} MB of tensors ({'quick' if args.quick else 'reference-small'}"
+            f" model), checkpoint on disk {on_disk:.0f} MB, torch.save file "
+            f"{bare.stat().st_size / 2**20:.0f} MB; medians of {rounds} rounds, "
+            f"{torch.get_num_threads()} threads"
+        )
         rows = [
-            ("save", "CheckpointManager.save", median["ours_save"], "torch.save",
-             median["bare_save"]),
-            ("save", "CheckpointManager.save", median["ours_save"], "torch.save + fsync + rename",
-             median["durable_save"]),
-            ("load", "CheckpointManager.load_latest", median["ours_load"],
-             "torch.load(weights_only=False)", median["bare_load"]),
+            (
+                "save",
+                "CheckpointManager.save",
+                median["ours_save"],
+                "torch.save",
+                median["bare_save"],
+            ),
+            (
+                "save",
+                "CheckpointManager.save",
+                median["ours_save"],
+                "torch.save + fsync + rename",
+                median["durable_save"],
+            ),
+            (
+                "load",
+                "load_latest + restore",
+                median["ours_load"],
+                "torch.load(pickle) + restore",
+                median["bare_load"],
+            ),
         ]
         print(f"{'':5} {'speedtronic':32} {'s':>7}   {'baseline':32} {'s':>7}   ratio")
         for kind, ours, ours_s, base, base_s in rows:
-            print(f"{kind:5} {ours:32} {ours_s:7.3f}   {base:32} {base_s:7.3f}   "
-                  f"{ours_s / base_s:5.2f}x")
-        print(f"of the load, size + sha256 verification: {median['verify']:.3f} s "
-              f"({median['verify'] / median['ours_load']:.0%}); save throughput "
-              f"{on_disk / median['ours_save']:.0f} MB/s, load {on_disk / median['ours_load']:.0f}"
-              " MB/s")
+            print(
+                f"{kind:5} {ours:32} {ours_s:7.3f}   {base:32} {base_s:7.3f}   "
+                f"{ours_s / base_s:5.2f}x"
+            )
+        print(
+            f"of the load, size + sha256 verification: {median['verify']:.3f} s "
+            f"({median['verify'] / median['ours_load']:.0%}); save throughput "
+            f"{on_disk / median['ours_save']:.0f} MB/s, load {on_disk / median['ours_load']:.0f}"
+            " MB/s"
+        )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 

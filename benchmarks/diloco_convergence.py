@@ -12,7 +12,7 @@ The nodes are stepped in lock-step inside this process (the master's round runs 
 every node has uploaded), so the result is reproducible and isolates the algorithm from
 scheduling noise; the asynchronous behaviour is covered by benchmarks/diloco_stall.py.
 
-    python benchmarks/diloco_convergence.py --quick    # about a minute on two CPU cores
+    python benchmarks/diloco_convergence.py --quick    # a minute or two on two CPU cores
     python benchmarks/diloco_convergence.py            # the figures in docs/diloco.md
 """
 
@@ -38,9 +38,9 @@ from speedtronic_models import ReferenceTransformer
 
 PRESETS: dict[bool, dict[str, Any]] = {
     True: dict(model=dict(vocab_size=64, max_seq_len=32, n_layer=1, n_head=2, n_kv_head=1,
-                          d_model=32), batch=8, steps=240, inner_steps=20),
+                          d_model=32), batch=8, steps=60, inner_steps=10),
     False: dict(model=dict(vocab_size=256, max_seq_len=64, n_layer=2, n_head=4, n_kv_head=2,
-                           d_model=64), batch=8, steps=600, inner_steps=50),
+                           d_model=64), batch=8, steps=300, inner_steps=25),
 }
 NODES = 4
 LR = 3e-3
@@ -164,7 +164,6 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small model, fewer steps")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     preset = PRESETS[args.quick]
     params = preset["model"]
     steps, inner, batch = preset["steps"], preset["inner_steps"], preset["batch"]

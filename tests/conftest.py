@@ -15,3 +15,13 @@ os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
+
+# The suite runs training processes side by side (master + workers, CLI subprocesses) on small
+# CI machines: one intra-op thread each avoids oversubscribing the cores. Subprocesses inherit
+# the environment variable; this process sets torch directly.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+import torch  # noqa: E402  (after the thread environment is set)
+
+torch.set_num_threads(1)

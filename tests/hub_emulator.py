@@ -187,6 +187,8 @@ class HubEmulator:
         self.require_token = require_token
         self.user = user
         self.lfs_suffixes = tuple(lfs_suffixes)
+        # False models a proxy that strips the header naming the commit a file was served from.
+        self.send_repo_commit = True
         self._lock = threading.Lock()
         self._repos: dict[str, _Repo] = {}
         self._faults: list[_Fault] = []
@@ -527,7 +529,7 @@ class HubEmulator:
 
     def _resolve(self, repo: _Repo, revision: str, path: str) -> _Reply:
         commit = self._commit_at(repo, revision)
-        sha_header = {"X-Repo-Commit": commit.sha}
+        sha_header = {"X-Repo-Commit": commit.sha} if self.send_repo_commit else {}
         if path not in commit.files:
             raise _HubError(404, "Entry not found", "EntryNotFound", headers=sha_header)
         data = commit.files[path]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -286,3 +287,28 @@ def test_checkpoint_names() -> None:
     assert checkpoint_name(123456789) == "step_123456789"
     with pytest.raises(ValueError):
         checkpoint_name(-1)
+
+
+def test_sha256_chunks_hash_each_slice(tmp_path: Path) -> None:
+    data = os.urandom(3 * (1 << 20) + 5)
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    size = 1 << 20
+    expected = [hashlib.sha256(data[i : i + size]).hexdigest() for i in range(0, len(data), size)]
+    assert sha256_chunks(path, size, workers=3) == expected
+    assert sha256_chunks(path, size, workers=1) == expected
+    (tmp_path / "empty").write_bytes(b"")
+    assert sha256_chunks(tmp_path / "empty") == [hashlib.sha256(b"").hexdigest()]
+
+
+def test_manifest_with_absurd_hash_slices_is_rejected(tmp_path: Path) -> None:
+    manager = saved(tmp_path, [1, 2])
+    newest = manager.directory / "step_00000002"
+    manifest = json.loads((newest / "manifest.json").read_text())
+    entry = manifest["files"]["tensors.safetensors"]
+    entry["chunk_bytes"] = 1  # would mean one hash per byte
+    data = (newest / "tensors.safetensors").read_bytes()
+    entry["sha256"] = [hashlib.sha256(data[i : i + 1]).hexdigest() for i in range(len(data))]
+    (newest / "manifest.json").write_text(json.dumps(manifest))
+    loaded = manager.load_latest()
+    assert loaded is not None and loaded.step == 1

@@ -7,7 +7,7 @@ import os
 import random
 import string
 from collections import Counter
-from itertools import islice
+from itertools import islice, pairwise
 from pathlib import Path
 from typing import Any
 
@@ -70,8 +70,9 @@ def test_synthetic_samples_depend_only_on_seed_and_index():
 
 def test_synthetic_source_is_identical_with_workers_and_on_resume():
     single = build_dataloader(config_for(micro_batch_size=4), seq_len=8, vocab_size=32, seed=5)
-    workers = build_dataloader(config_for(micro_batch_size=4, num_workers=2), seq_len=8,
-                               vocab_size=32, seed=5)
+    workers = build_dataloader(
+        config_for(micro_batch_size=4, num_workers=2), seq_len=8, vocab_size=32, seed=5
+    )
     expected = take(single.iterate(0), 6)
     assert rows(take(workers.iterate(0), 6)) == rows(expected)
     assert rows(take(single.iterate(8), 4)) == rows(expected[2:])
@@ -187,11 +188,12 @@ def test_chunks_tile_the_file_at_line_or_character_edges(tmp_path, newlines):
     path = tmp_path / "mixed.txt"
     path.write_text(text, encoding="utf-8")
     raw = path.read_bytes()
-    stream = TokenizedTextStream(path, seq_len=8, micro_batch_size=2, tokenizer=char_tokenizer,
-                                 chunk_bytes=64)
+    stream = TokenizedTextStream(
+        path, seq_len=8, micro_batch_size=2, tokenizer=char_tokenizer, chunk_bytes=64
+    )
     ranges = [stream.chunk_range(c) for c in range(stream.num_chunks)]
     assert ranges[0][0] == 0 and ranges[-1][1] == len(raw)
-    for (start, end), (next_start, _) in zip(ranges, ranges[1:]):
+    for (start, end), (next_start, _) in pairwise(ranges):
         assert start < end == next_start
         assert end - start <= 64 + stream.scan_bytes
     for start, end in ranges:
@@ -201,8 +203,9 @@ def test_chunks_tile_the_file_at_line_or_character_edges(tmp_path, newlines):
 
 
 def test_tokenized_blocks_of_all_workers_are_exactly_those_of_one_process(text_file):
-    stream = TokenizedTextStream(text_file, seq_len=8, micro_batch_size=2,
-                                 tokenizer=char_tokenizer, chunk_bytes=256)
+    stream = TokenizedTextStream(
+        text_file, seq_len=8, micro_batch_size=2, tokenizer=char_tokenizer, chunk_bytes=256
+    )
     single = multiset(stream.blocks(0, 1))
     first, second = multiset(stream.blocks(0, 2)), multiset(stream.blocks(1, 2))
     assert sum(single.values()) > 100
@@ -218,8 +221,14 @@ def test_tokenized_workers_read_only_their_own_byte_ranges(tmp_path, text_file, 
     log_dir = tmp_path / "reads"
     log_dir.mkdir()
     chunk, scan = 1024, 64
-    stream = RecordingTokenizedStream(text_file, seq_len=8, micro_batch_size=2,
-                                      tokenizer=char_tokenizer, chunk_bytes=chunk, scan_bytes=scan)
+    stream = RecordingTokenizedStream(
+        text_file,
+        seq_len=8,
+        micro_batch_size=2,
+        tokenizer=char_tokenizer,
+        chunk_bytes=chunk,
+        scan_bytes=scan,
+    )
     stream.log_dir = log_dir
     expected = multiset(
         TokenizedTextStream(text_file, 8, 2, char_tokenizer, chunk_bytes=chunk).blocks(0, 1)
@@ -236,8 +245,10 @@ def test_tokenized_workers_read_only_their_own_byte_ranges(tmp_path, text_file, 
     reads = read_ranges(log_dir)
     assert {"0", "1"} <= set(reads)
     for worker, spans in reads.items():
-        own = [(c * chunk - 1, (c + 1) * chunk + scan + 1)
-               for c in range(int(worker), stream.num_chunks, 2)]
+        own = [
+            (c * chunk - 1, (c + 1) * chunk + scan + 1)
+            for c in range(int(worker), stream.num_chunks, 2)
+        ]
         for start, end in spans:
             assert any(lo <= start and end <= hi for lo, hi in own), (worker, start, end)
         touched = np.zeros(size, dtype=bool)

@@ -17,8 +17,16 @@ from speedtronic.data import build_dataloader
 from speedtronic.metrics import ConsoleSink, JsonlSink, MetricLogger, TextFileSink
 from speedtronic.trainer import Trainer, process_memory_mb
 
-STEP_KEYS = {"step", "loss", "lr", "grad_norm", "steps_per_sec", "samples_per_sec",
-             "tokens_per_sec", "memory_mb"}
+STEP_KEYS = {
+    "step",
+    "loss",
+    "lr",
+    "grad_norm",
+    "steps_per_sec",
+    "samples_per_sec",
+    "tokens_per_sec",
+    "memory_mb",
+}
 
 
 @pytest.fixture(autouse=True)
@@ -47,16 +55,21 @@ class Bigram(nn.Module):
 
 
 def run(tmp_path, hooks=(), model=None, **logging_section: Any) -> Trainer:
-    config = SpeedtronicConfig.from_dict({
-        "run": {"device": "cpu", "max_steps": 7, "output_dir": str(tmp_path)},
-        "data": {"micro_batch_size": 2, "target_batch_size": 4},
-        "precision": {"mode": "fp32"},
-        "checkpoint": {"save_final": False},
-        "logging": {"log_every": 3, **logging_section},
-    })
-    trainer = Trainer(model or Bigram(), config,
-                      data=build_dataloader(config, seq_len=8, vocab_size=16),
-                      metric_logger=MetricLogger(hooks))
+    config = SpeedtronicConfig.from_dict(
+        {
+            "run": {"device": "cpu", "max_steps": 7, "output_dir": str(tmp_path)},
+            "data": {"micro_batch_size": 2, "target_batch_size": 4},
+            "precision": {"mode": "fp32"},
+            "checkpoint": {"save_final": False},
+            "logging": {"log_every": 3, **logging_section},
+        }
+    )
+    trainer = Trainer(
+        model or Bigram(),
+        config,
+        data=build_dataloader(config, seq_len=8, vocab_size=16),
+        metric_logger=MetricLogger(hooks),
+    )
     trainer.fit()
     return trainer
 
@@ -69,7 +82,7 @@ def test_a_run_logs_every_metric_at_the_log_cadence(tmp_path):
     steps = [payload for event, payload in events if event == "step"]
     assert [s["step"] for s in steps] == [3, 6, 7]  # every 3 steps, and the last one
     for payload in steps:
-        assert STEP_KEYS <= set(payload)
+        assert set(payload) >= STEP_KEYS
         assert all(isinstance(payload[key], float) for key in STEP_KEYS - {"step"})
         assert payload["samples_per_sec"] == pytest.approx(4 * payload["steps_per_sec"])
         assert payload["tokens_per_sec"] == pytest.approx(8 * payload["samples_per_sec"])
@@ -91,7 +104,7 @@ def test_file_and_jsonl_sinks_receive_every_event(tmp_path):
     records = [json.loads(line) for line in jsonl.read_text().splitlines()]
     assert [r["event"] for r in records] == ["train_start", "step", "step", "step", "train_end"]
     assert [r["step"] for r in records if r["event"] == "step"] == [3, 6, 7]
-    assert all(STEP_KEYS <= set(r) for r in records if r["event"] == "step")
+    assert all(set(r) >= STEP_KEYS for r in records if r["event"] == "step")
     lines = text.read_text().splitlines()
     assert len(lines) == 5 and " step step=3 loss=" in lines[1]
 
@@ -193,8 +206,10 @@ def test_plugins_get_every_event_and_one_failing_plugin_does_not_starve_another(
             raise RuntimeError("plugin bug")
 
     good = Good()
-    names = [plugins.register(Bad(), name="test-metrics-bad"),
-             plugins.register(good, name="test-metrics-good")]
+    names = [
+        plugins.register(Bad(), name="test-metrics-bad"),
+        plugins.register(good, name="test-metrics-good"),
+    ]
     try:
         seen: list[str] = []
         run(tmp_path, hooks=[lambda event, payload: seen.append(event)])

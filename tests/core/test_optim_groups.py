@@ -60,8 +60,9 @@ def test_only_matrices_decay_by_default():
 
 def test_decaying_norms_biases_and_embeddings_is_configurable():
     groups = names_by_group(decay_groups(Small(), OptimizerConfig(decay_norms_and_biases=True)))
-    assert groups == {"decay": {"proj.weight", "embed.weight", "proj.bias", "norm.weight",
-                                "norm.bias"}}
+    assert groups == {
+        "decay": {"proj.weight", "embed.weight", "proj.bias", "norm.weight", "norm.bias"}
+    }
 
 
 def test_adamw_honours_the_config_and_is_plain_on_cpu():
@@ -79,8 +80,9 @@ def test_adamw_honours_the_config_and_is_plain_on_cpu():
 def test_adamw_is_fused_when_it_constructs_on_cuda(monkeypatch):
     groups = decay_groups(Small(), OptimizerConfig())
     assert build_adamw(groups, OptimizerConfig(), torch.device("cuda")).defaults["fused"]
-    assert not build_adamw(groups, OptimizerConfig(fused=False),
-                           torch.device("cuda")).defaults.get("fused")
+    assert not build_adamw(groups, OptimizerConfig(fused=False), torch.device("cuda")).defaults.get(
+        "fused"
+    )
 
     class NoFused(torch.optim.AdamW):
         def __init__(self, params, fused=None, **kwargs):
@@ -118,7 +120,9 @@ def fit(tmp_path, make_optimizer=None, **sections) -> tuple[Small, list[dict]]:
     config = make_config(tmp_path, **sections)
     steps: list[dict] = []
     trainer = Trainer(
-        model, config, data=build_dataloader(config, seq_len=8, vocab_size=16),
+        model,
+        config,
+        data=build_dataloader(config, seq_len=8, vocab_size=16),
         optimizer=make_optimizer(model) if make_optimizer else None,
         metric_logger=MetricLogger([lambda e, p: steps.append(p) if e == "step" else None]),
     )
@@ -130,9 +134,14 @@ def test_gradients_are_clipped_to_the_configured_norm(tmp_path):
     """With SGD(lr=1) the update is the clipped gradient itself."""
     torch.manual_seed(0)
     before = [p.detach().clone() for p in Small().parameters() if p.requires_grad]
-    model, steps = fit(tmp_path, make_optimizer=lambda m: torch.optim.SGD(
-        [p for p in m.parameters() if p.requires_grad], lr=1.0),
-        run={"max_steps": 1}, optimizer={"grad_clip": 0.01})
+    model, steps = fit(
+        tmp_path,
+        make_optimizer=lambda m: torch.optim.SGD(
+            [p for p in m.parameters() if p.requires_grad], lr=1.0
+        ),
+        run={"max_steps": 1},
+        optimizer={"grad_clip": 0.01},
+    )
     after = [p.detach() for p in model.parameters() if p.requires_grad]
     update = torch.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(after, before)))
     assert steps[0]["grad_norm"] > 0.1  # the logged norm is the one before clipping
@@ -160,13 +169,19 @@ def test_constant_schedule_with_warmup():
 
 
 def test_schedule_horizon_is_max_steps_unless_total_steps_is_set(tmp_path):
-    _, steps = fit(tmp_path, optimizer={"lr": 0.1},
-                   scheduler={"name": "cosine", "warmup_steps": 2, "min_lr_ratio": 0.1})
+    _, steps = fit(
+        tmp_path,
+        optimizer={"lr": 0.1},
+        scheduler={"name": "cosine", "warmup_steps": 2, "min_lr_ratio": 0.1},
+    )
     lrs = [s["lr"] for s in steps]
     expected = lr_lambda(SchedulerConfig(warmup_steps=2, min_lr_ratio=0.1), 6)
     assert lrs == pytest.approx([0.1 * expected(step) for step in range(1, 7)])
     assert lrs[-1] == pytest.approx(0.01)  # reaches the floor exactly at run.max_steps
 
-    _, steps = fit(tmp_path, optimizer={"lr": 0.1},
-                   scheduler={"warmup_steps": 2, "min_lr_ratio": 0.1, "total_steps": 12})
+    _, steps = fit(
+        tmp_path,
+        optimizer={"lr": 0.1},
+        scheduler={"warmup_steps": 2, "min_lr_ratio": 0.1, "total_steps": 12},
+    )
     assert steps[-1]["lr"] > 0.05  # only halfway through a 12-step horizon

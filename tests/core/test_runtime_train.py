@@ -27,13 +27,23 @@ def one_thread():
 
 
 def test_the_smoke_config_learns(tmp_path):
-    config = SpeedtronicConfig.from_file(SMOKE).with_overrides([
-        "run.max_steps=20", "data.target_batch_size=8", "logging.log_every=5",
-        f"run.output_dir={tmp_path}", "checkpoint.interval=0", "checkpoint.save_final=false",
-    ])
+    config = SpeedtronicConfig.from_file(SMOKE).with_overrides(
+        [
+            "run.max_steps=20",
+            "data.target_batch_size=8",
+            "logging.log_every=5",
+            f"run.output_dir={tmp_path}",
+            "checkpoint.interval=0",
+            "checkpoint.save_final=false",
+        ]
+    )
     losses: list[float] = []
-    result = train_from_config(config, console=False,
-                               hooks=[lambda e, p: losses.append(p["loss"]) if e == "step" else None])
+
+    def keep_loss(event, payload):
+        if event == "step":
+            losses.append(payload["loss"])
+
+    result = train_from_config(config, console=False, hooks=[keep_loss])
     assert isinstance(result, TrainResult)
     assert result.steps == 20 and len(losses) == 4
     assert losses[0] > 5.0  # about log(256) at the start
@@ -43,22 +53,32 @@ def test_the_smoke_config_learns(tmp_path):
 def test_build_runtime_wires_the_configured_pieces(tmp_path):
     config = {
         "run": {"device": "cpu", "max_steps": 3, "output_dir": str(tmp_path / "out")},
-        "model": {"name": "reference_transformer", "vocab_size": 32, "max_seq_len": 8,
-                  "n_layer": 1, "n_head": 2, "d_model": 16},
+        "model": {
+            "name": "reference_transformer",
+            "vocab_size": 32,
+            "max_seq_len": 8,
+            "n_layer": 1,
+            "n_head": 2,
+            "d_model": 16,
+        },
         "data": {"micro_batch_size": 2},
         "precision": {"mode": "auto"},
         "checkpoint": {"save_final": False},
-        "logging": {"log_every": 1, "file": str(tmp_path / "metrics.log"),
-                    "json_file": str(tmp_path / "metrics.jsonl")},
+        "logging": {
+            "log_every": 1,
+            "file": str(tmp_path / "metrics.log"),
+            "json_file": str(tmp_path / "metrics.jsonl"),
+        },
     }
     events: list[str] = []
-    runtime = build_runtime(config, hooks=[lambda event, payload: events.append(event)],
-                            console=False)
+    runtime = build_runtime(
+        config, hooks=[lambda event, payload: events.append(event)], console=False
+    )
     assert type(runtime.model).__name__ == "ReferenceTransformer"
     assert runtime.trainer.model is runtime.model
     assert runtime.trainer.metrics is runtime.metrics
     assert runtime.trainer.precision.mode == "fp32"  # auto on CPU
-    assert "synthetic (vocab 32, seq 8, seed 0)" == runtime.data.description
+    assert runtime.data.description == "synthetic (vocab 32, seq 8, seed 0)"
     result = runtime.trainer.fit()
     assert (result.steps, result.samples, result.tokens) == (3, 6, 48)
     assert result.elapsed_s > 0 and result.resumed_from is None
@@ -93,10 +113,13 @@ class Counter(nn.Module):
 
 
 def test_user_model_dataset_and_tokenizer_are_passed_through(tmp_path):
-    base = {"run": {"device": "cpu", "max_steps": 30, "output_dir": str(tmp_path)},
-            "data": {"micro_batch_size": 4, "shuffle": True},
-            "optimizer": {"lr": 0.1}, "checkpoint": {"save_final": False},
-            "logging": {"log_every": 10}}
+    base = {
+        "run": {"device": "cpu", "max_steps": 30, "output_dir": str(tmp_path)},
+        "data": {"micro_batch_size": 4, "shuffle": True},
+        "optimizer": {"lr": 0.1},
+        "checkpoint": {"save_final": False},
+        "logging": {"log_every": 10},
+    }
     result = train_from_config(base, model=Counter(), dataset=Pairs(), console=False)
     assert result.steps == 30 and result.samples == 120
     assert result.final_loss < 1.0  # log(10) = 2.3 before training
@@ -120,9 +143,17 @@ def test_data_seed_hook_changes_the_stream(tmp_path):
         def data_seed(self, config, seed):
             return seed + 1000
 
-    config = {"run": {"device": "cpu", "max_steps": 1, "output_dir": str(tmp_path)},
-              "model": {"name": "reference_transformer", "vocab_size": 32, "max_seq_len": 8,
-                        "n_layer": 1, "n_head": 2, "d_model": 16}}
+    config = {
+        "run": {"device": "cpu", "max_steps": 1, "output_dir": str(tmp_path)},
+        "model": {
+            "name": "reference_transformer",
+            "vocab_size": 32,
+            "max_seq_len": 8,
+            "n_layer": 1,
+            "n_head": 2,
+            "d_model": 16,
+        },
+    }
     name = plugins.register(Seeder(), name="test-runtime-seeder")
     try:
         runtime = build_runtime(config, console=False)

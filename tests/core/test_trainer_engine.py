@@ -75,12 +75,19 @@ def make_config(tmp_path: Any, **sections: Any) -> SpeedtronicConfig:
     return SpeedtronicConfig.from_dict(data)
 
 
-def make_trainer(model: nn.Module, config: SpeedtronicConfig, events: list | None = None,
-                 data: Any = None) -> Trainer:
+def make_trainer(
+    model: nn.Module,
+    config: SpeedtronicConfig,
+    events: list | None = None,
+    data: Any = None,
+    optimizer: Any = None,
+) -> Trainer:
     if data is None:
         data = build_dataloader(config, seq_len=SEQ, vocab_size=VOCAB)
-    hooks = [lambda event, payload: events.append((event, dict(payload)))] if events is not None else []
-    return Trainer(model, config, data=data, metric_logger=MetricLogger(hooks))
+    hooks = []
+    if events is not None:
+        hooks.append(lambda event, payload: events.append((event, dict(payload))))
+    return Trainer(model, config, data=data, optimizer=optimizer, metric_logger=MetricLogger(hooks))
 
 
 def step_losses(events: list) -> list[float]:
@@ -126,8 +133,9 @@ def test_tensor_batches_are_passed_as_the_only_argument(tmp_path):
             return F.mse_loss(self.linear(x), x)
 
     torch.manual_seed(0)
-    result = make_trainer(Autoencoder(), make_config(tmp_path),
-                          data=[torch.randn(5, 3) for _ in range(4)]).fit()
+    result = make_trainer(
+        Autoencoder(), make_config(tmp_path), data=[torch.randn(5, 3) for _ in range(4)]
+    ).fit()
     assert result.steps == 4
     assert result.samples == 20  # batch size from the tensor's first dimension
 
@@ -139,8 +147,9 @@ def test_bad_model_outputs_raise_clear_errors(tmp_path):
 
     class VectorLoss(Bigram):
         def forward(self, input_ids, labels):
-            return F.cross_entropy(self.table(input_ids).view(-1, VOCAB), labels.reshape(-1),
-                                   reduction="none")
+            return F.cross_entropy(
+                self.table(input_ids).view(-1, VOCAB), labels.reshape(-1), reduction="none"
+            )
 
     with pytest.raises(SpeedtronicError, match="without a 'loss' key"):
         make_trainer(NoLoss(), make_config(tmp_path)).fit()
@@ -150,7 +159,11 @@ def test_bad_model_outputs_raise_clear_errors(tmp_path):
 
 # ------------------------------------------------------------------ gradient accumulation
 def test_accumulation_matches_one_big_batch(tmp_path):
-    """micro 2 x 4 accumulation == micro 8 x 1 on the same data: same loss curve, same weights."""
+    """micro 2 x 4 accumulation == micro 8 x 1 on the same data: same loss curve, same weights.
+
+    Plain SGD without clipping, because its update is proportional to the gradient: AdamW
+    would hide a wrongly scaled accumulated gradient.
+    """
     runs = {}
     torch.manual_seed(0)
     initial = Bigram().state_dict()
@@ -158,9 +171,15 @@ def test_accumulation_matches_one_big_batch(tmp_path):
         model = Bigram()
         model.load_state_dict(copy.deepcopy(initial))
         events: list = []
-        config = make_config(tmp_path, run={"max_steps": 5},
-                             data={"micro_batch_size": micro, "target_batch_size": 8})
-        trainer = make_trainer(model, config, events)
+        config = make_config(
+            tmp_path,
+            run={"max_steps": 5},
+            optimizer={"grad_clip": None},
+            data={"micro_batch_size": micro, "target_batch_size": 8},
+        )
+        trainer = make_trainer(
+            model, config, events, optimizer=torch.optim.SGD(model.parameters(), lr=5.0)
+        )
         result = trainer.fit()
         runs[micro] = (trainer.accumulation_steps, step_losses(events), model, result)
     assert runs[2][0] == 4 and runs[8][0] == 1
@@ -305,8 +324,8 @@ def test_train_end_hook_and_sinks_see_the_error(tmp_path, recorder):
             closed.append(True)
 
     config = make_config(tmp_path)
-    trainer = Trainer(Failing(), config, data=build_dataloader(config, seq_len=SEQ, vocab_size=VOCAB),
-                      metric_logger=MetricLogger([Sink()]))
+    data = build_dataloader(config, seq_len=SEQ, vocab_size=VOCAB)
+    trainer = Trainer(Failing(), config, data=data, metric_logger=MetricLogger([Sink()]))
     with pytest.raises(ValueError, match="broken batch"):
         trainer.fit()
     assert len(plugin.ended) == 1 and isinstance(plugin.ended[0], ValueError)
@@ -351,8 +370,9 @@ def test_compile_keeps_a_genuine_model_error(tmp_path, caplog):
         def forward(self, input_ids, labels):
             return self.loss(input_ids[:, :-1], labels)  # shapes disagree, eager fails too
 
-    trainer = make_trainer(Wrong(), make_config(tmp_path, compile={"enabled": True,
-                                                                   "backend": "eager"}))
+    trainer = make_trainer(
+        Wrong(), make_config(tmp_path, compile={"enabled": True, "backend": "eager"})
+    )
     with caplog.at_level(logging.WARNING, logger="speedtronic"), pytest.raises(ValueError) as info:
         trainer.fit()
     assert "batch_size" in str(info.value) or "size" in str(info.value)
@@ -361,8 +381,10 @@ def test_compile_keeps_a_genuine_model_error(tmp_path, caplog):
 
 
 def test_compile_success_stays_compiled(tmp_path):
-    trainer = make_trainer(Bigram(), make_config(tmp_path, run={"max_steps": 2},
-                                                 compile={"enabled": True, "backend": "eager"}))
+    trainer = make_trainer(
+        Bigram(),
+        make_config(tmp_path, run={"max_steps": 2}, compile={"enabled": True, "backend": "eager"}),
+    )
     trainer.fit()
     assert trainer._compiled
     assert type(trainer._forward_model).__name__ == "OptimizedModule"
@@ -420,8 +442,12 @@ def test_no_host_sync_per_micro_batch(tmp_path, monkeypatch):
 
     for name in ("item", "tolist", "__float__", "__bool__", "__int__", "cpu", "numpy"):
         monkeypatch.setattr(torch.Tensor, name, counting(name))
-    config = make_config(tmp_path, run={"max_steps": 8}, logging={"log_every": 4},
-                         data={"micro_batch_size": 2, "target_batch_size": 8})
+    config = make_config(
+        tmp_path,
+        run={"max_steps": 8},
+        logging={"log_every": 4},
+        data={"micro_batch_size": 2, "target_batch_size": 8},
+    )
     trainer = make_trainer(Bigram(), config)
     trainer.fit()
     # 8 steps x 4 micro-batches, two log events: one loss read and one grad-norm read each.
@@ -430,8 +456,13 @@ def test_no_host_sync_per_micro_batch(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------ data and result
 def test_one_shot_iterator_running_out_is_a_data_error(tmp_path):
-    batches = ({"input_ids": torch.zeros(2, SEQ, dtype=torch.long),
-                "labels": torch.zeros(2, SEQ, dtype=torch.long)} for _ in range(3))
+    batches = (
+        {
+            "input_ids": torch.zeros(2, SEQ, dtype=torch.long),
+            "labels": torch.zeros(2, SEQ, dtype=torch.long),
+        }
+        for _ in range(3)
+    )
     with pytest.raises(DataError, match="ran out at step 3"):
         make_trainer(Bigram(), make_config(tmp_path, run={"max_steps": 5}), data=batches).fit()
 

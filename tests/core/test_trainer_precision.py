@@ -74,8 +74,13 @@ def test_explicit_modes_are_honoured_where_supported(cuda_bf16, cpu_native):
 
 @pytest.mark.parametrize(
     ("mode", "device", "cuda_bf16_ok"),
-    [("bf16", CUDA, False), ("bf16", CPU, None), ("fp16", CPU, None), ("bf16", MPS, None),
-     ("fp16", MPS, None)],
+    [
+        ("bf16", CUDA, False),
+        ("bf16", CPU, None),
+        ("fp16", CPU, None),
+        ("bf16", MPS, None),
+        ("fp16", MPS, None),
+    ],
 )
 def test_unsupported_explicit_mode_falls_back_to_fp32_with_a_warning(
     mode, device, cuda_bf16_ok, cuda_bf16, cpu_native, caplog
@@ -117,15 +122,21 @@ class DtypeProbe(nn.Module):
 
 
 def run_with_mode(tmp_path, mode: str) -> tuple[DtypeProbe, Trainer]:
-    config = SpeedtronicConfig.from_dict({
-        "run": {"device": "cpu", "max_steps": 3, "output_dir": str(tmp_path)},
-        "data": {"micro_batch_size": 2},
-        "precision": {"mode": mode},
-        "checkpoint": {"save_final": False},
-    })
+    config = SpeedtronicConfig.from_dict(
+        {
+            "run": {"device": "cpu", "max_steps": 3, "output_dir": str(tmp_path)},
+            "data": {"micro_batch_size": 2},
+            "precision": {"mode": mode},
+            "checkpoint": {"save_final": False},
+        }
+    )
     model = DtypeProbe()
-    trainer = Trainer(model, config, data=build_dataloader(config, seq_len=8, vocab_size=16),
-                      metric_logger=MetricLogger())
+    trainer = Trainer(
+        model,
+        config,
+        data=build_dataloader(config, seq_len=8, vocab_size=16),
+        metric_logger=MetricLogger(),
+    )
     trainer.fit()
     return model, trainer
 

@@ -147,6 +147,20 @@ def test_pinned_download_keeps_the_version_that_was_read(hub: HubEmulator, tmp_p
     assert worker.download_global(newest, tmp_path / "g").read_bytes() == b"v2-longer"
 
 
+def test_without_the_commit_header_reads_are_pinned_through_the_api(
+    hub: HubEmulator, tmp_path: Path
+) -> None:
+    hub.add_repo(REPO)
+    hub.send_repo_commit = False
+    store = transport(hub)
+    assert store.read_global_metadata() is None
+    publish(store, tmp_path, 1, b"v1")
+    read = store.read_global_metadata()
+    assert read is not None and read.revision == hub.head(REPO)
+    publish(store, tmp_path, 2, b"v2")
+    assert store.download_global(read, tmp_path / "g").read_bytes() == b"v1"
+
+
 def test_every_commit_pairs_metadata_with_matching_weights(
     hub: HubEmulator, tmp_path: Path
 ) -> None:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
 from speedtronic import ConfigError, SpeedtronicConfig
 from speedtronic.plugins import get_plugin_manager
-from speedtronic_logging.config import TensorBoardConfig, WandbConfig
+from speedtronic_logging.config import SECTIONS, TensorBoardConfig, WandbConfig
 
 
 def test_sections_are_off_by_default() -> None:
@@ -68,3 +70,12 @@ def test_without_the_plugin_a_section_says_what_to_install(section: str) -> None
     assert caught.value.path == section
     message = str(caught.value)
     assert "speedtronic-logging" in message and "pip install" in message
+
+
+def test_the_docs_page_lists_every_option() -> None:
+    page = (Path(__file__).resolve().parents[2] / "docs" / "logging.md").read_text()
+    for name, section in SECTIONS.items():
+        table = page.split(f"### `{name}:`", 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
+        for field in fields(section):
+            assert f"| `{field.name}` |" in table, f"{name}.{field.name} is not documented"
+            assert field.metadata["help"], f"{name}.{field.name} has no help text"

@@ -248,6 +248,7 @@ def test_resume_after_a_crash_continues_the_same_runs(tmp_path, tiny_config) -> 
     first, second = finished_runs(out, count=2)
     assert second.run_id == first.run_id  # W&B shows one run, continued
     assert (first.exit_code, second.exit_code) == (1, 0)
+    assert second.config["checkpoint"]["resume"] is True  # the resumed config replaced the old
     assert [row["trainer/step"] for row in second.history if "train/loss" in row] == [6, 8]
     # TensorBoard drops the crashed run's step 6 in favour of the resumed one's.
     steps = [e for e in read_jsonl(out / "metrics.jsonl") if e["event"] == "step"]

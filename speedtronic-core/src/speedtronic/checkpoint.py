@@ -5,7 +5,7 @@ Layout of a checkpoint directory::
     step_00000100/
         tensors.safetensors   every tensor of the state (model, optimizer, RNG, plugins)
         state.json            everything else, with references into the tensor file
-        manifest.json         step, size and sha256 of the two files above
+        manifest.json         step, size and sha256 (per 32 MiB slice) of the two files above
     latest.json               {"checkpoint": "step_00000100", "step": 100, "format": 1}
 
 A checkpoint is assembled in a hidden staging directory (``.step_00000100.<random>.tmp``),
@@ -145,9 +145,10 @@ class CheckpointManager:
 
     def _move_into_place(self, staging: Path, final: Path) -> None:
         if final.exists():
-            # Re-saving a step (a resume from an older checkpoint): park the old copy, swap,
-            # then delete it. latest.json never names this step while that can happen (it
-            # names the older checkpoint we resumed from), so a crash in between is harmless.
+            # Re-saving a step, normally after resuming from an older checkpoint, so latest.json
+            # names that older one and a crash between the two renames is harmless. (Should it
+            # name this very step, saved twice, such a crash makes the next resume fall back
+            # to the next older checkpoint, with a warning.)
             parked = self.directory / f"{_HIDDEN_PREFIX}{final.name[5:]}.old"
             shutil.rmtree(parked, ignore_errors=True)
             os.replace(final, parked)

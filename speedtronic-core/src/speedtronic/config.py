@@ -174,7 +174,7 @@ class OptimizerConfig(Section):
         False, help="Cautious masking around the base optimizer (Liang et al., 2024)."
     )
     # option() is dataclasses.field() with metadata, not a shared default (hence the noqa).
-    muon: MuonConfig = option(default_factory=MuonConfig, help="Muon group settings.")  # noqa: RUF009
+    muon: MuonConfig = option(default_factory=MuonConfig, help="Muon group settings.")
 
     def validate(self) -> None:
         for i, beta in enumerate(self.betas):
@@ -250,7 +250,7 @@ class LoggingConfig(Section):
     file: str | None = option(None, help="Append human-readable metric lines to this file.")
     json_file: str | None = option(None, help="Append one JSON object per metric event here.")
     log_every: int = option(10, ge=1, help="Read the loss and emit a `step` event every N steps.")
-    hooks: list[str] = option(  # noqa: RUF009
+    hooks: list[str] = option(
         default_factory=list,
         help="Extra metric hooks as `module:attribute` import paths: callables "
         "`(event, payload)` or objects with `on_event`.",

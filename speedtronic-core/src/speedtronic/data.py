@@ -385,8 +385,8 @@ def build_dataloader(
     vocab = _within("vocab_size", data.vocab_size, vocab_size, "vocab_size")
     if vocab is None:
         raise DataError("data.vocab_size is not set and the model has no vocab_size")
-    stream_seed = seed if seed is not None else (
-        data.seed if data.seed is not None else config.run.seed
+    stream_seed = (
+        seed if seed is not None else (data.seed if data.seed is not None else config.run.seed)
     )
     return DataSource(
         lambda start: _loader(
@@ -400,9 +400,7 @@ def _within(field: str, configured: int | None, limit: int | None, model_field: 
     if configured is None:
         return limit
     if limit is not None and configured > limit:
-        raise DataError(
-            f"data.{field} is {configured} but the model's {model_field} is {limit}"
-        )
+        raise DataError(f"data.{field} is {configured} but the model's {model_field} is {limit}")
     return configured
 
 
@@ -432,8 +430,11 @@ def _user_source(config: SpeedtronicConfig, dataset: Dataset | IterableDataset) 
 
     if isinstance(dataset, IterableDataset):
         if data.shuffle:
-            log.warning("data.shuffle applies to map-style datasets only; %s is iterable, so "
-                        "shuffle inside its stream if you need it", name)
+            log.warning(
+                "data.shuffle applies to map-style datasets only; %s is iterable, so "
+                "shuffle inside its stream if you need it",
+                name,
+            )
 
         def iterate(start: int) -> Iterator[Any]:
             loader = DataLoader(dataset, batch_size=batch_size, **_loader_kwargs(config))
@@ -463,8 +464,12 @@ def _user_source(config: SpeedtronicConfig, dataset: Dataset | IterableDataset) 
             epoch += 1
 
     def iterate_map(start: int) -> Iterator[Any]:
-        loader = DataLoader(dataset, batch_size=batch_size, sampler=_OrderSampler(order, start),
-                            **_loader_kwargs(config))
+        loader = DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=_OrderSampler(order, start),
+            **_loader_kwargs(config),
+        )
         return iter(loader)
 
     return DataSource(iterate_map, description=f"{name} ({length} samples)")
@@ -505,8 +510,9 @@ def _nonempty(iterator: Iterator[Any], message: str) -> Iterator[Any]:
 def _skip(iterator: Iterator[Any], start_sample: int, micro: int) -> Iterator[Any]:
     skip_batches = start_sample // micro
     if skip_batches:
-        log.warning("resuming this data source re-reads and skips %d consumed micro-batches",
-                    skip_batches)
+        log.warning(
+            "resuming this data source re-reads and skips %d consumed micro-batches", skip_batches
+        )
     return islice(iterator, skip_batches, None)
 
 

@@ -127,4 +127,3 @@ def sha256_chunks(
             return list(pool.map(digest, offsets))
     finally:
         os.close(fd)
-

@@ -119,8 +119,9 @@ class ConsoleSink:
     """stdout: a rich progress bar with ETA on a terminal, plain ``event key=value`` lines
     otherwise (pipes, files, CI logs)."""
 
-    def __init__(self, total_steps: int | None = None, progress: bool = True,
-                 stream: TextIO | None = None) -> None:
+    def __init__(
+        self, total_steps: int | None = None, progress: bool = True, stream: TextIO | None = None
+    ) -> None:
         self.stream = stream if stream is not None else sys.stdout
         self.total_steps = total_steps
         isatty = getattr(self.stream, "isatty", None)
@@ -160,14 +161,21 @@ class ConsoleSink:
 
         self.close()
         self._progress = Progress(
-            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-            TextColumn("{task.fields[info]}"), console=Console(file=self.stream),
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"),
+            console=Console(file=self.stream),
         )
         self._progress.start()
         self._task = self._progress.add_task(
-            "train", total=payload.get("max_steps", self.total_steps),
-            completed=payload.get("start_step", 0), info="",
+            "train",
+            total=payload.get("max_steps", self.total_steps),
+            completed=payload.get("start_step", 0),
+            info="",
         )
 
     def close(self) -> None:
@@ -237,8 +245,11 @@ class MetricLogger:
             if getattr(impl, "hookwrapper", False) or getattr(impl, "wrapper", False):
                 continue  # wrappers only make sense around a full hook call
             arguments = {"event": event, "payload": payload}
-            self._deliver(f"plugin {impl.plugin_name}", impl.function,
-                          *(arguments[name] for name in impl.argnames))
+            self._deliver(
+                f"plugin {impl.plugin_name}",
+                impl.function,
+                *(arguments[name] for name in impl.argnames),
+            )
 
     def _deliver(self, label: str, fn: Callable[..., Any], *args: Any) -> None:
         try:
@@ -246,8 +257,12 @@ class MetricLogger:
         except Exception as exc:
             if label not in self._warned:
                 self._warned.add(label)
-                log.warning("metric sink %s failed (%s: %s); training continues",
-                            label, type(exc).__name__, exc)
+                log.warning(
+                    "metric sink %s failed (%s: %s); training continues",
+                    label,
+                    type(exc).__name__,
+                    exc,
+                )
 
     def close(self) -> None:
         """Close every sink that has ``close()``; safe to call again (file sinks reopen if

@@ -105,6 +105,7 @@ def resolve_precision(mode: str, device: torch.device) -> Precision:
         raise ConfigError(f"unknown mode {mode!r}; use auto, bf16, fp16 or fp32", "precision.mode")
     if supports(device, wanted.dtype):  # type: ignore[arg-type]
         return wanted
-    log.warning("precision.mode %s is not supported on this %s device; training in fp32",
-                mode, device.type)
+    log.warning(
+        "precision.mode %s is not supported on this %s device; training in fp32", mode, device.type
+    )
     return FP32

@@ -41,8 +41,12 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_metric_logger(config: SpeedtronicConfig, hooks: Iterable[Any] = (),
-                        plugin_manager: Any = None, console: bool = True) -> MetricLogger:
+def build_metric_logger(
+    config: SpeedtronicConfig,
+    hooks: Iterable[Any] = (),
+    plugin_manager: Any = None,
+    console: bool = True,
+) -> MetricLogger:
     """stdout, optional text/JSONL files, ``logging.hooks`` and ``hooks``, plus plugins."""
     sinks: list[Any] = []
     if console:
@@ -81,7 +85,9 @@ def build_runtime(
     seed = config.data.seed if config.data.seed is not None else config.run.seed
     adjusted = pm.hook.data_seed(config=config, seed=seed)
     data = build_dataloader(
-        config, dataset, tokenizer,
+        config,
+        dataset,
+        tokenizer,
         seq_len=getattr(model, "max_seq_len", None),
         vocab_size=getattr(model, "vocab_size", None),
         seed=adjusted if adjusted is not None else seed,

@@ -499,16 +499,18 @@ class Trainer:
             raise
         finally:
             elapsed = time.perf_counter() - started
+            summary = {
+                "steps": self.step, "final_loss": final_loss, "samples": self.samples_seen,
+                "tokens": self.tokens_seen, "elapsed_s": elapsed,
+                "weights_replaced": self.weights_replaced,
+                "status": "ok" if error is None else f"error: {type(error).__name__}",
+            }
+            # train_end goes out before the hooks so that sinks closing in on_train_end
+            # still record the summary.
+            self.metrics.emit("train_end", summary)
             try:
                 self.plugin_manager.hook.on_train_end(trainer=self, error=error)
             finally:
-                summary = {
-                    "steps": self.step, "final_loss": final_loss, "samples": self.samples_seen,
-                    "tokens": self.tokens_seen, "elapsed_s": elapsed,
-                    "weights_replaced": self.weights_replaced,
-                    "status": "ok" if error is None else f"error: {type(error).__name__}",
-                }
-                self.metrics.emit("train_end", summary)
                 self.metrics.close()
         return TrainResult(self.step, final_loss, self.samples_seen, self.tokens_seen, elapsed,
                            self.resumed_from, summary)

@@ -332,18 +332,22 @@ class HubTransport(Transport):
             f"worker a fine-grained token with write access to {self.repo_id}. See docs/hub.md."
         )
 
+    def _head_metadata(self) -> tuple[str, bytes | None]:
+        """``(head commit, step_count.json at that commit or None)``, consistent with each
+        other: one GET of the branch head normally (the reply names its commit); if a proxy
+        dropped that header, the head is looked up first and the file read pinned to it."""
+        commit, raw = self._get_bytes(GLOBAL_METADATA, "main")
+        if commit is not None:
+            return commit, raw
+        head = self._api.model_info(self.repo_id, revision="main", timeout=self.request_timeout)
+        if not head.sha:
+            raise TransientTransportError(f"{self.description}: the Hub named no head commit")
+        return head.sha, self._get_bytes(GLOBAL_METADATA, head.sha)[1]
+
     def read_global_metadata(self) -> GlobalMetadata | None:
         """``global/step_count.json`` of the branch head, pinned to that head's commit."""
-        commit, raw = self._call(
-            "read global metadata", lambda: self._get_bytes(GLOBAL_METADATA, "main")
-        )
-        if raw is None:
-            return None
-        if commit is None:
-            log.debug(
-                "%s: no X-Repo-Commit in the reply; weights will not be pinned", self.description
-            )
-        return GlobalMetadata.loads(raw, revision=commit)
+        commit, raw = self._call("read global metadata", self._head_metadata)
+        return None if raw is None else GlobalMetadata.loads(raw, revision=commit)
 
     def download_global(self, metadata: GlobalMetadata, dest: Path) -> Path:
         """Download ``metadata.model_file`` at ``metadata.revision`` into ``dest``, verified."""
@@ -390,22 +394,17 @@ class HubTransport(Transport):
             )
         raced = False
         for _ in range(_HEAD_RACES):
-            head, current = self._get_bytes(GLOBAL_METADATA, "main")
+            head, current = self._head_metadata()
             if current == payload:  # an earlier attempt landed and only its reply was lost
                 log.info(
                     "%s: outer step %d was already published at %s",
                     self.description,
                     published.outer_step,
-                    (head or "?")[:12],
+                    head[:12],
                 )
                 return published.with_revision(head)
             if current is not None:
                 self._refuse_if_not_newer(current, head, published, raced)
-            if head is None:
-                raise TransientTransportError(
-                    f"{self.description}: the Hub did not say which commit it served "
-                    "(no X-Repo-Commit header), so the publication cannot be made safe"
-                )
             operations = [weights_op, CommitOperationAdd(GLOBAL_METADATA, payload)]
             try:
                 info = self._api.create_commit(
@@ -430,7 +429,7 @@ class HubTransport(Transport):
         )
 
     def _refuse_if_not_newer(
-        self, current: bytes, head: str | None, published: GlobalMetadata, raced: bool
+        self, current: bytes, head: str, published: GlobalMetadata, raced: bool
     ) -> None:
         """Raise PublishConflictError when the branch already holds this outer step or a newer
         one (published by another master: ours would have matched the payload)."""
@@ -446,7 +445,7 @@ class HubTransport(Transport):
         how = " (the Hub refused our commit with HTTP 412: it raced with it)" if raced else ""
         raise PublishConflictError(
             f"{self.description}: master {remote.master or '?'!r} already published outer step "
-            f"{remote.outer_step} at commit {(head or '?')[:12]}; refusing to publish outer step "
+            f"{remote.outer_step} at commit {head[:12]}; refusing to publish outer step "
             f"{published.outer_step} over it{how}. Run exactly one master per repository; a "
             "restarted master adopts the newer global."
         )

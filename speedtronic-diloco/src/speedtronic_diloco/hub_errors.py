@@ -12,6 +12,7 @@ error is its ``__cause__`` and is classified instead.
 from __future__ import annotations
 
 import email.utils
+import re
 import time
 from collections.abc import Mapping
 
@@ -26,7 +27,6 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
-from huggingface_hub.utils import parse_ratelimit_headers
 
 from speedtronic_diloco.hub_session import HubRequestFailed, http, safe_url
 from speedtronic_diloco.transport import (
@@ -38,6 +38,8 @@ from speedtronic_diloco.transport import (
 __all__ = ["classify", "redact", "retry_after"]
 
 _TRANSIENT_STATUS = frozenset({408, 429})
+# `RateLimit: "api";r=0;t=55`: r requests remain in the window, which resets in t seconds.
+_RATELIMIT = re.compile(r";\s*r\s*=\s*(\d+)\s*;\s*t\s*=\s*(\d+)")
 _MAX_DETAIL = 300
 
 
@@ -57,9 +59,9 @@ def retry_after(headers: Mapping[str, str]) -> float | None:
             when = None
         if when is not None:
             return max(0.0, when.timestamp() - time.time())
-    limit = parse_ratelimit_headers(headers)
-    if limit is not None and limit.remaining == 0:
-        return float(limit.reset_in_seconds)
+    match = _RATELIMIT.search(lowered.get("ratelimit") or "")
+    if match and int(match.group(1)) == 0:
+        return float(match.group(2))
     return None
 
 

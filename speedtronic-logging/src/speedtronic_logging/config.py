@@ -27,7 +27,7 @@ class WandbConfig(Section):
     group: str | None = option(
         None, help="Groups runs in the W&B UI, e.g. the master and workers of one DiLoCo job."
     )
-    tags: list[str] = option(default_factory=list, help="Tags attached to the W&B run.")  # noqa: RUF009 - option() is dataclasses.field()
+    tags: list[str] = option(default_factory=list, help="Tags attached to the W&B run.")
     mode: Literal["online", "offline", "disabled"] = option(
         "online",
         help="`online` streams to the W&B server, `offline` only writes local files (upload "

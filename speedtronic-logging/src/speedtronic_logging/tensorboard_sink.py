@@ -61,7 +61,7 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, bool | int | fl
 def markdown_table(values: dict[str, Any]) -> str:
     """A two-column Markdown table, which TensorBoard's text panel renders."""
     rows = ["| key | value |", "| --- | --- |"]
-    rows += [f"| {key} | {value} |" for key, value in values.items()]
+    rows += [f"| {key} | {str(value).replace('|', '&#124;')} |" for key, value in values.items()]
     return "\n".join(rows)
 
 

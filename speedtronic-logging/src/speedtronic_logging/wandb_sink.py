@@ -100,10 +100,13 @@ class WandbBackend:
                     tags=list(settings.tags) or None,
                     mode=settings.mode,
                     dir=str(directory),
-                    config=hyperparameters,
+                    # A resumed run already has a config: overwrite it explicitly below.
+                    config=None if resume_id else hyperparameters,
                     id=resume_id,
                     resume="allow" if resume_id else None,
                 )
+            if resume_id:
+                self.run.config.update(hyperparameters, allow_val_change=True)
         else:
             self.run = wandb.run
             self.run.config.update(hyperparameters, allow_val_change=True)
