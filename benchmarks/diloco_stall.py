@@ -8,7 +8,7 @@ v2 default (asynchronous upload and poll lanes) and, measured in the same run, f
 mode. With the lanes the boundary/other ratio should stay near 1; synchronous mode pays every
 request at the boundary.
 
-    python benchmarks/diloco_stall.py --quick    # about a minute
+    python benchmarks/diloco_stall.py --quick    # a tiny model: about a minute
     python benchmarks/diloco_stall.py            # the figures in docs/diloco.md
 """
 
@@ -33,7 +33,10 @@ from speedtronic_diloco.tensors import cpu_state_dict, save_tensors
 from speedtronic_diloco.transport import DeltaInfo, GlobalMetadata, Transport
 from speedtronic_models import ReferenceTransformer
 
-MODEL = dict(vocab_size=256, max_seq_len=64, n_layer=2, n_head=4, n_kv_head=2, d_model=64)
+MODELS = {
+    True: dict(vocab_size=64, max_seq_len=32, n_layer=1, n_head=2, n_kv_head=1, d_model=32),
+    False: dict(vocab_size=256, max_seq_len=64, n_layer=2, n_head=4, n_kv_head=2, d_model=64),
+}
 DELAY = 2.0
 
 
@@ -82,14 +85,15 @@ class SlowTransport(Transport):
 class StandInMaster:
     """Publishes a slightly perturbed global every ``interval`` seconds (fast path)."""
 
-    def __init__(self, store: SharedDirectoryTransport, root: Path, interval: float) -> None:
+    def __init__(self, store: SharedDirectoryTransport, root: Path, interval: float,
+                 params: dict[str, int]) -> None:
         self.store = store
         self.root = root
         self.interval = interval
         self.step = 0
         self.stop = threading.Event()
         torch.manual_seed(0)
-        self.state = cpu_state_dict(ReferenceTransformer.from_params(MODEL).state_dict())
+        self.state = cpu_state_dict(ReferenceTransformer.from_params(params).state_dict())
         self.publish()
         self.thread = threading.Thread(target=self.run, daemon=True)
 
@@ -111,10 +115,11 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-def run(mode: str, steps: int, inner: int, root: Path) -> dict[str, Any]:
+def run(mode: str, steps: int, inner: int, root: Path, params: dict[str, int]
+        ) -> dict[str, Any]:
     store = SharedDirectoryTransport(root / "store")
     store.create_store()
-    master = StandInMaster(store, root, interval=3.0)
+    master = StandInMaster(store, root, interval=3.0, params=params)
     master.thread.start()
     asynchronous = mode == "async"
     config = DistributedConfig(
@@ -123,13 +128,13 @@ def run(mode: str, steps: int, inner: int, root: Path) -> dict[str, Any]:
         async_global_poll=asynchronous, max_retries=0,
     )
     torch.manual_seed(0)
-    model = ReferenceTransformer.from_params(MODEL)
+    model = ReferenceTransformer.from_params(params)
     events: list[str] = []
     transport = SlowTransport(store, DELAY)
     coordinator = DumbDiLoCoCoordinator(config, model, hub=transport, state_dir=root / mode,
                                         logger=lambda event, payload: events.append(event))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    stream = SyntheticTokenStream(MODEL["vocab_size"], MODEL["max_seq_len"], 8, seed=1)
+    stream = SyntheticTokenStream(params["vocab_size"], params["max_seq_len"], 8, seed=1)
     coordinator.start()
     boundary, other = [], []
     for step in range(1, steps + 1):
@@ -156,13 +161,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer steps")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
-    inner = 20
-    plans = {"async": 100 if args.quick else 400, "sync": 60 if args.quick else 200}
+    params = MODELS[args.quick]
+    inner = 10 if args.quick else 20
+    plans = {"async": 60 if args.quick else 400, "sync": 30 if args.quick else 200}
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode, steps in plans.items():
-            rows[mode] = run(mode, steps, inner, Path(tmp) / mode)
-    print(f"store latency {DELAY:.0f} s per request, inner_steps {inner}, model {MODEL}")
+            rows[mode] = run(mode, steps, inner, Path(tmp) / mode, params)
+    print(f"store latency {DELAY:.0f} s per request, inner_steps {inner}, model {params}")
     header = (f"{'mode':6}{'steps':>6}{'bnd p50':>9}{'bnd p99':>9}{'oth p50':>9}{'oth p99':>9}"
               f"{'p50 ratio':>10}{'p99 ratio':>10}  uploads/skipped/globals")
     print(header)

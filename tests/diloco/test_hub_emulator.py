@@ -6,6 +6,7 @@ relies on: which exception each failure surfaces as, and which calls retry by th
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import time
 import types
@@ -361,3 +362,35 @@ def test_download_resumes_after_a_dropped_get(
     hub.inject_drop("resolve", method="GET")
     assert Path(download(REPO, "w.bin")).read_bytes() == b"w"
     assert backoff_sleeps == [1]
+
+
+def test_inject_call_runs_before_the_request_is_served(hub: HubEmulator, api: HfApi) -> None:
+    """Interleaving two clients: another commit lands between a read and a commit."""
+    head = hub.add_repo(REPO)
+    hub.inject_call(
+        "commit",
+        lambda: api.create_commit(
+            REPO, [CommitOperationAdd("other", b"o")], commit_message="other"
+        ),
+    )
+    with pytest.raises(HfHubHTTPError) as stale:
+        api.create_commit(
+            REPO, [CommitOperationAdd("mine", b"m")], commit_message="mine", parent_commit=head
+        )
+    assert stale.value.response.status_code == 412
+    assert "other" in hub.files(REPO) and "mine" not in hub.files(REPO)
+    assert [(r.kind, r.fault) for r in hub.requests if r.kind == "commit"] == [
+        ("commit", None),
+        ("commit", "call"),
+    ]
+
+
+def test_lfs_listing_and_stripped_commit_header(hub: HubEmulator, api: HfApi) -> None:
+    hub.add_repo(REPO, files={"w.safetensors": b"weights", "notes.txt": b"n"})
+    hub.lfs_suffixes = (".safetensors",)
+    entries = {e.path: e for e in api.list_repo_tree(REPO)}
+    assert entries["w.safetensors"].lfs.sha256 == hashlib.sha256(b"weights").hexdigest()
+    assert entries["notes.txt"].lfs is None
+    hub.send_repo_commit = False
+    response = huggingface_hub.get_session().get(f"{hub.endpoint}/{REPO}/resolve/main/notes.txt")
+    assert response.content == b"n" and "X-Repo-Commit" not in response.headers

@@ -405,8 +405,8 @@ class Trainer:
             ) from None
 
     def _forward_backward(self, batches: list[Any], model: Any) -> torch.Tensor:
-        """Forward and backward over one optimizer step's micro-batches; returns the summed
-        (unscaled) mean loss on the device."""
+        """Forward and backward over one optimizer step's micro-batches; returns their mean
+        loss (fp32, unscaled, still on the device)."""
         accumulating = len(batches) > 1
         losses = []
         for batch in batches:

@@ -46,6 +46,7 @@ from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
 from speedtronic.fileio import atomic_writer
+from speedtronic_diloco import __version__
 from speedtronic_diloco.hub_errors import classify, redact
 from speedtronic_diloco.hub_session import hub_call
 from speedtronic_diloco.identity import validate_node_id
@@ -78,7 +79,7 @@ _GIT_OID = re.compile(r"^[0-9a-f]{40}$")
 _METADATA_LIMIT = 16 << 20  # a step_count.json beyond this is not ours
 _HEAD_RACES = 5  # commits again at most this often when deltas keep moving the branch
 _CHUNK = 1 << 20
-_LIBRARY = {"library_name": "speedtronic-diloco", "library_version": "0.1.0"}
+_LIBRARY = {"library_name": "speedtronic-diloco", "library_version": __version__}
 T = TypeVar("T")
 
 
@@ -154,7 +155,6 @@ class HubTransport(Transport):
         where = "" if self.endpoint == DEFAULT_ENDPOINT else f" on {self.endpoint}"
         self.description = f"hf://{repo_id}{where}"
         self._publish_lock = threading.Lock()
-        self._closed = False
 
     @classmethod
     def from_config(cls, config: DistributedConfig | Any) -> HubTransport:
@@ -509,4 +509,3 @@ class HubTransport(Transport):
 
     def close(self) -> None:
         """Nothing to release: connections belong to the client's shared pool."""
-        self._closed = True
