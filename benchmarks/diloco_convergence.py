@@ -22,7 +22,6 @@ import argparse
 import logging
 import math
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +36,18 @@ from speedtronic_diloco.transport import DeltaInfo, GlobalMetadata, Transport
 from speedtronic_models import ReferenceTransformer
 
 PRESETS: dict[bool, dict[str, Any]] = {
-    True: dict(model=dict(vocab_size=64, max_seq_len=32, n_layer=1, n_head=2, n_kv_head=1,
-                          d_model=32), batch=8, steps=60, inner_steps=10),
-    False: dict(model=dict(vocab_size=256, max_seq_len=64, n_layer=2, n_head=4, n_kv_head=2,
-                           d_model=64), batch=8, steps=300, inner_steps=25),
+    True: dict(
+        model=dict(vocab_size=64, max_seq_len=32, n_layer=1, n_head=2, n_kv_head=1, d_model=32),
+        batch=8,
+        steps=60,
+        inner_steps=10,
+    ),
+    False: dict(
+        model=dict(vocab_size=256, max_seq_len=64, n_layer=2, n_head=4, n_kv_head=2, d_model=64),
+        batch=8,
+        steps=300,
+        inner_steps=25,
+    ),
 }
 NODES = 4
 LR = 3e-3
@@ -104,8 +111,9 @@ def train_sync(preset: dict[str, Any]) -> float:
     params, steps = preset["model"], preset["steps"]
     model = build_model(params)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    stream = SyntheticTokenStream(params["vocab_size"], params["max_seq_len"],
-                                  preset["batch"] * NODES, seed=0)
+    stream = SyntheticTokenStream(
+        params["vocab_size"], params["max_seq_len"], preset["batch"] * NODES, seed=0
+    )
     for step in range(steps):
         loss = model(**stream.batch(step))["loss"]
         loss.backward()
@@ -114,25 +122,34 @@ def train_sync(preset: dict[str, Any]) -> float:
     return eval_loss(model, params)
 
 
-def train_diloco(preset: dict[str, Any], root: Path) -> tuple[float, list[CountingTransport],
-                                                              int]:
+def train_diloco(preset: dict[str, Any], root: Path) -> tuple[float, list[CountingTransport], int]:
     params, steps, inner = preset["model"], preset["steps"], preset["inner_steps"]
     nodes = []
     for index in range(NODES):
         node_id = "master" if index == 0 else f"worker-{index}"
         config = DistributedConfig(
-            enabled=True, role="master" if index == 0 else "worker", node_id=node_id,
-            repo_id=str(root / "store"), inner_steps=inner, poll_interval=0.0,
-            outer_lr=0.7, outer_momentum=0.9, async_delta_upload=False,
-            async_global_poll=False, max_retries=0,
+            enabled=True,
+            role="master" if index == 0 else "worker",
+            node_id=node_id,
+            repo_id=str(root / "store"),
+            inner_steps=inner,
+            poll_interval=0.0,
+            outer_lr=0.7,
+            outer_momentum=0.9,
+            async_delta_upload=False,
+            async_global_poll=False,
+            max_retries=0,
         )
         model = build_model(params)
         transport = CountingTransport(SharedDirectoryTransport(root / "store"))
-        coordinator = DumbDiLoCoCoordinator(config, model, hub=transport,
-                                            state_dir=root / "state")
+        coordinator = DumbDiLoCoCoordinator(config, model, hub=transport, state_dir=root / "state")
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-        stream = SyntheticTokenStream(params["vocab_size"], params["max_seq_len"],
-                                      preset["batch"], seed=node_data_seed(0, node_id))
+        stream = SyntheticTokenStream(
+            params["vocab_size"],
+            params["max_seq_len"],
+            preset["batch"],
+            seed=node_data_seed(0, node_id),
+        )
         nodes.append((model, optimizer, stream, coordinator, transport))
     master = nodes[0][3]
     master.start()
@@ -168,13 +185,9 @@ def main() -> None:
     params = preset["model"]
     steps, inner, batch = preset["steps"], preset["inner_steps"], preset["batch"]
     initial = eval_loss(build_model(params), params)
-    started = time.perf_counter()
     sync_loss = train_sync(preset)
-    sync_time = time.perf_counter() - started
     with tempfile.TemporaryDirectory() as tmp:
-        started = time.perf_counter()
         diloco_loss, transports, outer_steps = train_diloco(preset, Path(tmp))
-        diloco_time = time.perf_counter() - started
     model = build_model(params)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     ring_per_step = 2 * (NODES - 1) / NODES * param_bytes  # ring all-reduce, per node
@@ -183,18 +196,22 @@ def main() -> None:
     diloco_bytes = sum(t.sent + t.received for t in workers) / len(workers)
     master_bytes = transports[0].sent + transports[0].received
     samples = NODES * batch * steps
-    print(f"model {params}, {NODES} nodes, H={inner}, {steps} steps/node, "
-          f"{samples} samples in total")
-    print(f"{'':28}{'eval loss':>10}{'time s':>9}")
+    print(
+        f"model {params}, {NODES} nodes, H={inner}, {steps} steps/node, {samples} samples in total"
+    )
+    print(f"{'':28}{'eval loss':>10}")
     print(f"{'initial weights':28}{initial:>10.4f}")
-    print(f"{'synchronous, batch x4':28}{sync_loss:>10.4f}{sync_time:>9.1f}")
-    print(f"{'DumbDiLoCo global':28}{diloco_loss:>10.4f}{diloco_time:>9.1f}"
-          f"   ({outer_steps} outer steps)")
-    print(f"loss ratio DiLoCo / synchronous: {diloco_loss / sync_loss:.3f} "
-          f"(perplexity ratio {math.exp(diloco_loss - sync_loss):.3f})")
-    print(f"bytes per worker: DiLoCo {diloco_bytes / 2**20:.2f} MiB vs data-parallel "
-          f"all-reduce {dp_bytes / 2**20:.2f} MiB -> {dp_bytes / diloco_bytes:.1f}x less "
-          f"(master incl. publishing: {master_bytes / 2**20:.2f} MiB)")
+    print(f"{'synchronous, batch x4':28}{sync_loss:>10.4f}")
+    print(f"{'DumbDiLoCo global':28}{diloco_loss:>10.4f}   ({outer_steps} outer steps)")
+    print(
+        f"loss ratio DiLoCo / synchronous: {diloco_loss / sync_loss:.3f} "
+        f"(perplexity ratio {math.exp(diloco_loss - sync_loss):.3f})"
+    )
+    print(
+        f"bytes per worker: DiLoCo {diloco_bytes / 2**20:.2f} MiB vs data-parallel "
+        f"all-reduce {dp_bytes / 2**20:.2f} MiB -> {dp_bytes / diloco_bytes:.1f}x less "
+        f"(master incl. publishing: {master_bytes / 2**20:.2f} MiB)"
+    )
 
 
 if __name__ == "__main__":

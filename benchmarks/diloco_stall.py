@@ -85,8 +85,9 @@ class SlowTransport(Transport):
 class StandInMaster:
     """Publishes a slightly perturbed global every ``interval`` seconds (fast path)."""
 
-    def __init__(self, store: SharedDirectoryTransport, root: Path, interval: float,
-                 params: dict[str, int]) -> None:
+    def __init__(
+        self, store: SharedDirectoryTransport, root: Path, interval: float, params: dict[str, int]
+    ) -> None:
         self.store = store
         self.root = root
         self.interval = interval
@@ -105,8 +106,9 @@ class StandInMaster:
     def run(self) -> None:
         while not self.stop.wait(self.interval):
             self.step += 1
-            self.state = {k: v + 1e-4 if v.is_floating_point() else v
-                          for k, v in self.state.items()}
+            self.state = {
+                k: v + 1e-4 if v.is_floating_point() else v for k, v in self.state.items()
+            }
             self.publish()
 
 
@@ -115,24 +117,34 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-def run(mode: str, steps: int, inner: int, root: Path, params: dict[str, int]
-        ) -> dict[str, Any]:
+def run(mode: str, steps: int, inner: int, root: Path, params: dict[str, int]) -> dict[str, Any]:
     store = SharedDirectoryTransport(root / "store")
     store.create_store()
     master = StandInMaster(store, root, interval=3.0, params=params)
     master.thread.start()
     asynchronous = mode == "async"
     config = DistributedConfig(
-        enabled=True, role="worker", node_id="worker", repo_id=str(root / "store"),
-        inner_steps=inner, poll_interval=3600.0, async_delta_upload=asynchronous,
-        async_global_poll=asynchronous, max_retries=0,
+        enabled=True,
+        role="worker",
+        node_id="worker",
+        repo_id=str(root / "store"),
+        inner_steps=inner,
+        poll_interval=3600.0,
+        async_delta_upload=asynchronous,
+        async_global_poll=asynchronous,
+        max_retries=0,
     )
     torch.manual_seed(0)
     model = ReferenceTransformer.from_params(params)
     events: list[str] = []
     transport = SlowTransport(store, DELAY)
-    coordinator = DumbDiLoCoCoordinator(config, model, hub=transport, state_dir=root / mode,
-                                        logger=lambda event, payload: events.append(event))
+    coordinator = DumbDiLoCoCoordinator(
+        config,
+        model,
+        hub=transport,
+        state_dir=root / mode,
+        logger=lambda event, payload: events.append(event),
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     stream = SyntheticTokenStream(params["vocab_size"], params["max_seq_len"], 8, seed=1)
     coordinator.start()
@@ -151,8 +163,11 @@ def run(mode: str, steps: int, inner: int, root: Path, params: dict[str, int]
     master.stop.set()
     master.thread.join()
     return {
-        "boundary": boundary, "other": other, "skipped": events.count("delta_upload_skipped"),
-        "uploaded": events.count("delta_uploaded"), "loaded": events.count("global_loaded"),
+        "boundary": boundary,
+        "other": other,
+        "skipped": events.count("delta_upload_skipped"),
+        "uploaded": events.count("delta_uploaded"),
+        "loaded": events.count("global_loaded"),
     }
 
 
@@ -169,18 +184,24 @@ def main() -> None:
         for mode, steps in plans.items():
             rows[mode] = run(mode, steps, inner, Path(tmp) / mode, params)
     print(f"store latency {DELAY:.0f} s per request, inner_steps {inner}, model {params}")
-    header = (f"{'mode':6}{'steps':>6}{'bnd p50':>9}{'bnd p99':>9}{'oth p50':>9}{'oth p99':>9}"
-              f"{'p50 ratio':>10}{'p99 ratio':>10}  uploads/skipped/globals")
+    header = (
+        f"{'mode':6}{'steps':>6}{'bnd p50':>9}{'bnd p99':>9}{'oth p50':>9}{'oth p99':>9}"
+        f"{'p50 ratio':>10}{'p99 ratio':>10}  uploads/skipped/globals"
+    )
     print(header)
     for mode, row in rows.items():
         b50, b99 = percentile(row["boundary"], 50), percentile(row["boundary"], 99)
         o50, o99 = percentile(row["other"], 50), percentile(row["other"], 99)
         steps = len(row["boundary"]) + len(row["other"])
-        print(f"{mode:6}{steps:>6}{b50:>9.3f}{b99:>9.3f}{o50:>9.3f}{o99:>9.3f}"
-              f"{b50 / o50:>10.2f}{b99 / o99:>10.2f}  {row['uploaded']}/{row['skipped']}/"
-              f"{row['loaded']}")
-    print(f"mean other-step time: async {statistics.mean(rows['async']['other']):.3f} s, "
-          f"sync {statistics.mean(rows['sync']['other']):.3f} s")
+        print(
+            f"{mode:6}{steps:>6}{b50:>9.3f}{b99:>9.3f}{o50:>9.3f}{o99:>9.3f}"
+            f"{b50 / o50:>10.2f}{b99 / o99:>10.2f}  {row['uploaded']}/{row['skipped']}/"
+            f"{row['loaded']}"
+        )
+    print(
+        f"mean other-step time: async {statistics.mean(rows['async']['other']):.3f} s, "
+        f"sync {statistics.mean(rows['sync']['other']):.3f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -29,13 +29,14 @@ from speedtronic_models import ReferenceTransformer
 # Dense bf16 peak TFLOP/s by device-name fragment, for MFU when --peak-tflops is not given.
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "A100": 312.0}
 
-# Shapes per (device kind, quick): CPU sizes finish in seconds on two cores; GPU sizes are
-# those of configs/reference-small.yaml.
+# Shapes per (device kind, quick): CPU sizes finish in seconds on two idle cores; GPU sizes are
+# those of configs/reference-small.yaml. Many short rounds give best-of a chance to find quiet
+# moments on a shared machine.
 PRESETS: dict[tuple[str, bool], dict[str, int]] = {
     ("cpu", True): dict(vocab_size=4096, d_model=128, n_layer=2, n_head=4, seq_len=256,
-                        batch_size=8, steps=4, rounds=3, warmup=2),
+                        batch_size=8, steps=2, rounds=6, warmup=2),
     ("cpu", False): dict(vocab_size=8192, d_model=256, n_layer=4, n_head=8, seq_len=256,
-                         batch_size=8, steps=4, rounds=5, warmup=2),
+                         batch_size=8, steps=2, rounds=10, warmup=2),
     ("cuda", True): dict(vocab_size=32768, d_model=512, n_layer=8, n_head=8, seq_len=1024,
                          batch_size=16, steps=10, rounds=3, warmup=3),
     ("cuda", False): dict(vocab_size=32768, d_model=512, n_layer=8, n_head=8, seq_len=1024,

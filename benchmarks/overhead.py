@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -119,19 +121,34 @@ def baseline_loop(model: Any, config: SpeedtronicConfig) -> float:
     return last
 
 
+@contextmanager
+def no_gc() -> Iterator[None]:
+    """Collect garbage first and pause the cyclic collector while timing, as ``timeit`` does:
+    a full collection over torch's objects takes tens of milliseconds and would land on
+    whichever side happened to trigger it."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def timed_baseline(model: nn.Module, config: SpeedtronicConfig) -> tuple[float, float, float]:
     """The baseline loop: (wall seconds, CPU seconds, last logged loss)."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    loss = baseline_loop(model, config)
-    return time.perf_counter() - wall, time.process_time() - cpu, loss
+    with no_gc():
+        wall, cpu = time.perf_counter(), time.process_time()
+        loss = baseline_loop(model, config)
+        return time.perf_counter() - wall, time.process_time() - cpu, loss
 
 
 def timed_speedtronic(model: nn.Module, config: SpeedtronicConfig) -> tuple[float, float, float]:
     """``Trainer.fit`` on the same model: (wall seconds, CPU seconds, last logged loss)."""
     runtime = build_runtime(config, model=model, console=False)
-    wall, cpu = time.perf_counter(), time.process_time()
-    result = runtime.trainer.fit()
-    return time.perf_counter() - wall, time.process_time() - cpu, float(result.final_loss)
+    with no_gc():
+        wall, cpu = time.perf_counter(), time.process_time()
+        result = runtime.trainer.fit()
+        return time.perf_counter() - wall, time.process_time() - cpu, float(result.final_loss)
 
 
 def compare(

@@ -111,8 +111,11 @@ class MemoryTransport(Transport):
         for path, data in sorted(self.files.items()):
             parsed = parse_delta_path(path)
             if parsed is not None:
-                out.append(DeltaInfo(parsed[0], parsed[1], path, len(data),
-                                     hashlib.sha256(data).hexdigest()))
+                out.append(
+                    DeltaInfo(
+                        parsed[0], parsed[1], path, len(data), hashlib.sha256(data).hexdigest()
+                    )
+                )
         return out
 
     def download_delta(self, info: DeltaInfo, dest: Path) -> Path:
@@ -164,9 +167,18 @@ def nudge(model: nn.Module, amount: float = 0.01) -> None:
 def dist_config(**overrides: Any) -> DistributedConfig:
     """A DistributedConfig for tests: no retry waits, synchronous unless asked otherwise."""
     values: dict[str, Any] = dict(
-        enabled=True, role="worker", node_id="w1", repo_id="memory", inner_steps=2,
-        poll_interval=3600.0, outer_lr=1.0, outer_momentum=0.0, async_delta_upload=False,
-        async_global_poll=False, max_retries=2, retry_backoff=0.0,
+        enabled=True,
+        role="worker",
+        node_id="w1",
+        repo_id="memory",
+        inner_steps=2,
+        poll_interval=3600.0,
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        async_delta_upload=False,
+        async_global_poll=False,
+        max_retries=2,
+        retry_backoff=0.0,
     )
     values.update(overrides)
     return DistributedConfig(**values)

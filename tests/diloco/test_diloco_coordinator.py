@@ -24,13 +24,20 @@ def store() -> MemoryTransport:
     return MemoryTransport()
 
 
-def make(store: MemoryTransport, tmp_path: Path, model: Any = None, events: list | None = None,
-         **config: Any) -> tuple[DumbDiLoCoCoordinator, torch.nn.Module]:
+def make(
+    store: MemoryTransport,
+    tmp_path: Path,
+    model: Any = None,
+    events: list | None = None,
+    **config: Any,
+) -> tuple[DumbDiLoCoCoordinator, torch.nn.Module]:
     model = model if model is not None else make_net()
-    logger = (lambda event, payload: events.append((event, payload))) if events is not None \
-        else None
-    coordinator = DumbDiLoCoCoordinator(dist_config(**config), model, hub=store,
-                                        state_dir=tmp_path / "state", logger=logger)
+    logger = (
+        (lambda event, payload: events.append((event, payload))) if events is not None else None
+    )
+    coordinator = DumbDiLoCoCoordinator(
+        dist_config(**config), model, hub=store, state_dir=tmp_path / "state", logger=logger
+    )
     return coordinator, model
 
 
@@ -63,19 +70,27 @@ def test_alias_and_config_forms(store: MemoryTransport, tmp_path: Path) -> None:
         assert coordinator.state_root == tmp_path / "n1"
 
 
-def test_node_id_from_environment_is_validated(store: MemoryTransport, tmp_path: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_node_id_from_environment_is_validated(
+    store: MemoryTransport, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("HF_USERNAME", "../evil")
     with pytest.raises(ConfigError, match="HF_USERNAME"):
-        DumbDiLoCoCoordinator(dist_config(node_id=None), make_net(), hub=store,
-                              state_dir=tmp_path)
+        DumbDiLoCoCoordinator(dist_config(node_id=None), make_net(), hub=store, state_dir=tmp_path)
     monkeypatch.delenv("HF_USERNAME")
     monkeypatch.setenv("USER", "alice")
-    assert DumbDiLoCoCoordinator(dist_config(node_id=None), make_net(), hub=store,
-                                 state_dir=tmp_path).node_id == "alice"
+    assert (
+        DumbDiLoCoCoordinator(
+            dist_config(node_id=None), make_net(), hub=store, state_dir=tmp_path
+        ).node_id
+        == "alice"
+    )
     monkeypatch.delenv("USER")
-    assert DumbDiLoCoCoordinator(dist_config(node_id=None), make_net(), hub=store,
-                                 state_dir=tmp_path).node_id == "local"
+    assert (
+        DumbDiLoCoCoordinator(
+            dist_config(node_id=None), make_net(), hub=store, state_dir=tmp_path
+        ).node_id
+        == "local"
+    )
 
 
 def test_caches_are_keyed_by_node_id(store: MemoryTransport, tmp_path: Path) -> None:
@@ -89,8 +104,7 @@ def test_caches_are_keyed_by_node_id(store: MemoryTransport, tmp_path: Path) -> 
 # --------------------------------------------------------------------------- worker startup
 
 
-def test_worker_start_installs_the_published_global(store: MemoryTransport,
-                                                    tmp_path: Path) -> None:
+def test_worker_start_installs_the_published_global(store: MemoryTransport, tmp_path: Path) -> None:
     published = params(make_net(seed=1))
     published["counter"] = torch.tensor(7)
     store.publish_state(published, 3, tmp_path)
@@ -102,8 +116,9 @@ def test_worker_start_installs_the_published_global(store: MemoryTransport,
     coordinator.stop()
 
 
-def test_worker_start_without_global_keeps_local_weights(store: MemoryTransport,
-                                                         tmp_path: Path) -> None:
+def test_worker_start_without_global_keeps_local_weights(
+    store: MemoryTransport, tmp_path: Path
+) -> None:
     coordinator, model = make(store, tmp_path)
     before = params(model)
     coordinator.start()
@@ -112,8 +127,9 @@ def test_worker_start_without_global_keeps_local_weights(store: MemoryTransport,
     coordinator.stop()
 
 
-@pytest.mark.parametrize("error", [TransientTransportError("timeout"),
-                                   PermanentTransportError("401")])
+@pytest.mark.parametrize(
+    "error", [TransientTransportError("timeout"), PermanentTransportError("401")]
+)
 def test_failure_initial_worker_read_warns_and_keeps_weights(
     store: MemoryTransport, tmp_path: Path, caplog: pytest.LogCaptureFixture, error: Exception
 ) -> None:
@@ -189,8 +205,9 @@ def test_poll_interval_polls_between_boundaries(store: MemoryTransport, tmp_path
     coordinator.stop()
 
 
-def test_failure_poll_warns_and_leaves_model(store: MemoryTransport, tmp_path: Path,
-                                             caplog: pytest.LogCaptureFixture) -> None:
+def test_failure_poll_warns_and_leaves_model(
+    store: MemoryTransport, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     coordinator, model = make(store, tmp_path, poll_interval=0.0, inner_steps=100)
     coordinator.start()
     store.publish_state(params(make_net(seed=1)), 1, tmp_path)
@@ -313,8 +330,9 @@ def test_failure_wrong_model_raises_value_error(store: MemoryTransport, tmp_path
 # --------------------------------------------------------------------------- async lanes
 
 
-def test_async_upload_does_not_block_and_skips_while_busy(store: MemoryTransport,
-                                                          tmp_path: Path) -> None:
+def test_async_upload_does_not_block_and_skips_while_busy(
+    store: MemoryTransport, tmp_path: Path
+) -> None:
     events: list = []
     coordinator, model = make(store, tmp_path, events=events, async_delta_upload=True)
     coordinator.start()
@@ -333,13 +351,15 @@ def test_async_upload_does_not_block_and_skips_while_busy(store: MemoryTransport
     nudge(model)
     coordinator.after_optimizer_step(model, 6)
     assert coordinator.wait_idle()
-    torch.testing.assert_close(store.deltas()["nodes/w1/delta_6.safetensors"]["a.bias"],
-                               torch.full((4,), -0.02))
+    torch.testing.assert_close(
+        store.deltas()["nodes/w1/delta_6.safetensors"]["a.bias"], torch.full((4,), -0.02)
+    )
     coordinator.stop()
 
 
-def test_async_generation_guard_keeps_newer_baseline(store: MemoryTransport,
-                                                     tmp_path: Path) -> None:
+def test_async_generation_guard_keeps_newer_baseline(
+    store: MemoryTransport, tmp_path: Path
+) -> None:
     coordinator, model = make(store, tmp_path, async_delta_upload=True, inner_steps=2)
     coordinator.start()
     release = store.hold("upload_delta")
@@ -374,15 +394,16 @@ def test_async_upload_failure_leaves_baseline(store: MemoryTransport, tmp_path: 
     nudge(model)
     coordinator.after_optimizer_step(model, 4)
     assert coordinator.wait_idle()
-    torch.testing.assert_close(store.deltas()["nodes/w1/delta_4.safetensors"]["b.bias"],
-                               torch.full((1,), -0.02))
+    torch.testing.assert_close(
+        store.deltas()["nodes/w1/delta_4.safetensors"]["b.bias"], torch.full((1,), -0.02)
+    )
     coordinator.stop()
 
 
-def test_async_poll_never_touches_the_live_model(store: MemoryTransport,
-                                                 tmp_path: Path) -> None:
-    coordinator, model = make(store, tmp_path, async_global_poll=True, inner_steps=100,
-                              poll_interval=0.0)
+def test_async_poll_never_touches_the_live_model(store: MemoryTransport, tmp_path: Path) -> None:
+    coordinator, model = make(
+        store, tmp_path, async_global_poll=True, inner_steps=100, poll_interval=0.0
+    )
     coordinator.start()
     published = params(make_net(seed=1))
     store.publish_state(published, 1, tmp_path)
@@ -408,16 +429,25 @@ def test_state_dict_fields(store: MemoryTransport, tmp_path: Path) -> None:
     nudge(model)
     coordinator.after_optimizer_step(model, 2)
     state = coordinator.state_dict()
-    assert {"node_id", "role", "last_global_step", "last_uploaded_step", "local_step",
-            "baseline", "pending_delta", "pending_delta_step"} <= state.keys()
+    assert {
+        "node_id",
+        "role",
+        "last_global_step",
+        "last_uploaded_step",
+        "local_step",
+        "baseline",
+        "pending_delta",
+        "pending_delta_step",
+    } <= state.keys()
     assert "outer" not in state
     assert state["local_step"] == 2 and state["last_uploaded_step"] == 2
     assert_same(state["baseline"], params(model))
     coordinator.stop()
 
 
-def test_prepared_startup_state_wins_then_poll_finds_newer(store: MemoryTransport,
-                                                           tmp_path: Path) -> None:
+def test_prepared_startup_state_wins_then_poll_finds_newer(
+    store: MemoryTransport, tmp_path: Path
+) -> None:
     store.publish_state(params(make_net(seed=1)), 1, tmp_path)
     first, model = make(store, tmp_path)
     first.start()
@@ -442,10 +472,15 @@ def test_prepared_startup_state_wins_then_poll_finds_newer(store: MemoryTranspor
     second.stop()
 
 
-def test_load_after_start_keeps_a_newer_installed_baseline(store: MemoryTransport,
-                                                           tmp_path: Path) -> None:
-    old_state = {"last_global_step": 1, "local_step": 5, "last_uploaded_step": None,
-                 "baseline": params(make_net(seed=9))}
+def test_load_after_start_keeps_a_newer_installed_baseline(
+    store: MemoryTransport, tmp_path: Path
+) -> None:
+    old_state = {
+        "last_global_step": 1,
+        "local_step": 5,
+        "last_uploaded_step": None,
+        "baseline": params(make_net(seed=9)),
+    }
     store.publish_state(params(make_net(seed=1)), 4, tmp_path)
     coordinator, model = make(store, tmp_path)
     coordinator.start()
@@ -458,7 +493,9 @@ def test_load_after_start_keeps_a_newer_installed_baseline(store: MemoryTranspor
 
 
 def test_stop_is_bounded_does_not_force_a_delta_and_restarts(
-    store: MemoryTransport, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+    store: MemoryTransport,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(coordinator_module, "STOP_TIMEOUT", 0.2)

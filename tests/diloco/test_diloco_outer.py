@@ -24,18 +24,31 @@ from speedtronic_diloco.tensors import cpu_state_dict, save_tensors
 from speedtronic_diloco.transport import GlobalMetadata, PermanentTransportError
 
 
-def make_loop(store: MemoryTransport, tmp_path: Path, lr: float = 0.7,
-              momentum: float = 0.9, events: list | None = None) -> MasterOuterLoop:
+def make_loop(
+    store: MemoryTransport,
+    tmp_path: Path,
+    lr: float = 0.7,
+    momentum: float = 0.9,
+    events: list | None = None,
+) -> MasterOuterLoop:
     emit = (lambda e, p: events.append((e, p))) if events is not None else None
-    return MasterOuterLoop(store, node_id="m", state_dir=tmp_path / "state",
-                           cache_dir=tmp_path / "cache", outer_lr=lr, outer_momentum=momentum,
-                           emit=emit)
+    return MasterOuterLoop(
+        store,
+        node_id="m",
+        state_dir=tmp_path / "state",
+        cache_dir=tmp_path / "cache",
+        outer_lr=lr,
+        outer_momentum=momentum,
+        emit=emit,
+    )
 
 
-def upload(store: MemoryTransport, tmp_path: Path, node: str, step: int,
-           delta: dict[str, torch.Tensor]) -> None:
-    path = save_tensors(tmp_path / "up" / f"{node}_{step}.safetensors", delta,
-                        {"node_id": node, "local_step": step})
+def upload(
+    store: MemoryTransport, tmp_path: Path, node: str, step: int, delta: dict[str, torch.Tensor]
+) -> None:
+    path = save_tensors(
+        tmp_path / "up" / f"{node}_{step}.safetensors", delta, {"node_id": node, "local_step": step}
+    )
     store.upload_delta(node, step, path)
 
 
@@ -45,17 +58,19 @@ def weights() -> dict[str, torch.Tensor]:
 
 def random_delta(seed: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    return {k: torch.randn(v.shape, generator=generator) for k, v in weights().items()
-            if v.is_floating_point()}
+    return {
+        k: torch.randn(v.shape, generator=generator)
+        for k, v in weights().items()
+        if v.is_floating_point()
+    }
 
 
-def torch_sgd_reference(start: dict[str, torch.Tensor], grads: list[dict[str, torch.Tensor]],
-                        lr: float, momentum: float) -> dict[str, torch.Tensor]:
-    params = {k: torch.nn.Parameter(v.clone()) for k, v in start.items()
-              if v.is_floating_point()}
+def torch_sgd_reference(
+    start: dict[str, torch.Tensor], grads: list[dict[str, torch.Tensor]], lr: float, momentum: float
+) -> dict[str, torch.Tensor]:
+    params = {k: torch.nn.Parameter(v.clone()) for k, v in start.items() if v.is_floating_point()}
     # torch only accepts nesterov=True with a non-zero momentum; at 0 both are plain SGD.
-    optimizer = torch.optim.SGD(params.values(), lr=lr, momentum=momentum,
-                                nesterov=momentum > 0)
+    optimizer = torch.optim.SGD(params.values(), lr=lr, momentum=momentum, nesterov=momentum > 0)
     for grad in grads:
         for name, param in params.items():
             param.grad = grad[name].clone()
@@ -121,8 +136,9 @@ def test_each_delta_is_aggregated_once(tmp_path: Path) -> None:
     assert loop.outer_step == 3
 
 
-def test_bad_deltas_are_logged_and_skipped(tmp_path: Path,
-                                           caplog: pytest.LogCaptureFixture) -> None:
+def test_bad_deltas_are_logged_and_skipped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     store = MemoryTransport()
     loop = make_loop(store, tmp_path)
     loop.bootstrap(weights())
@@ -183,8 +199,9 @@ def test_state_persists_without_pickle_and_reloads(tmp_path: Path) -> None:
     assert again.run_round() is None  # old deltas are not aggregated again
 
 
-def test_unreadable_state_is_ignored_with_a_warning(tmp_path: Path,
-                                                    caplog: pytest.LogCaptureFixture) -> None:
+def test_unreadable_state_is_ignored_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     path = tmp_path / "state" / "outer_state.safetensors"
     path.parent.mkdir(parents=True)
     path.write_bytes(b"junk")
@@ -214,26 +231,35 @@ def meta(step: int) -> GlobalMetadata:
         (False, 0, None, StartupChoice.BOOTSTRAP),  # nothing anywhere
     ],
 )
-def test_startup_selection_table(has_local: bool, local: int, remote: int | None,
-                                 choice: StartupChoice) -> None:
+def test_startup_selection_table(
+    has_local: bool, local: int, remote: int | None, choice: StartupChoice
+) -> None:
     remote_meta = meta(remote) if remote is not None else None
     assert select_startup_state(has_local, local, remote_meta) is choice
 
 
-def master(store: MemoryTransport, tmp_path: Path, model: Any = None, **config: Any
-           ) -> tuple[DumbDiLoCoCoordinator, torch.nn.Module]:
+def master(
+    store: MemoryTransport, tmp_path: Path, model: Any = None, **config: Any
+) -> tuple[DumbDiLoCoCoordinator, torch.nn.Module]:
     model = model if model is not None else make_net()
     values = dict(role="master", node_id="m", poll_interval=3600.0)
     values.update(config)
-    coordinator = DumbDiLoCoCoordinator(dist_config(**values), model, hub=store,
-                                        state_dir=tmp_path / "state")
+    coordinator = DumbDiLoCoCoordinator(
+        dist_config(**values), model, hub=store, state_dir=tmp_path / "state"
+    )
     return coordinator, model
 
 
 def persisted_loop(store: MemoryTransport, tmp_path: Path, rounds: int) -> MasterOuterLoop:
     """A master state directory (``state/m``) that went through ``rounds`` outer steps."""
-    loop = MasterOuterLoop(store, node_id="m", state_dir=tmp_path / "state" / "m",
-                           cache_dir=tmp_path / "cache", outer_lr=0.7, outer_momentum=0.9)
+    loop = MasterOuterLoop(
+        store,
+        node_id="m",
+        state_dir=tmp_path / "state" / "m",
+        cache_dir=tmp_path / "cache",
+        outer_lr=0.7,
+        outer_momentum=0.9,
+    )
     loop.bootstrap(weights())
     for r in range(rounds):
         upload(store, tmp_path, "w", 10 * (r + 1), random_delta(r))
@@ -243,7 +269,7 @@ def persisted_loop(store: MemoryTransport, tmp_path: Path, rounds: int) -> Maste
 
 def test_master_bootstrap_publishes_current_model(tmp_path: Path) -> None:
     store = MemoryTransport()
-    coordinator, model = master(store, tmp_path, collaborators=["bob"])
+    coordinator, _ = master(store, tmp_path, collaborators=["bob"])
     coordinator.start()
     wait_for(lambda: store.metadata is not None, what="bootstrap publication")
     assert store.created == [True]  # private

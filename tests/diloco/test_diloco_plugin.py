@@ -21,15 +21,32 @@ from speedtronic_diloco.shared_dir import SharedDirectoryTransport
 
 def config_dict(tmp_path: Path, **distributed: Any) -> dict[str, Any]:
     section = {
-        "enabled": True, "role": "master", "node_id": "m", "repo_id": f"file://{tmp_path}/store",
-        "inner_steps": 4, "poll_interval": 0.05, "max_retries": 0,
+        "enabled": True,
+        "role": "master",
+        "node_id": "m",
+        "repo_id": f"file://{tmp_path}/store",
+        "inner_steps": 4,
+        "poll_interval": 0.05,
+        "max_retries": 0,
     }
     section.update(distributed)
     return {
-        "run": {"name": "t", "max_steps": 12, "device": "cpu", "seed": 0,
-                "output_dir": str(tmp_path / "run")},
-        "model": {"name": "reference_transformer", "vocab_size": 32, "max_seq_len": 16,
-                  "n_layer": 1, "n_head": 2, "n_kv_head": 1, "d_model": 16},
+        "run": {
+            "name": "t",
+            "max_steps": 12,
+            "device": "cpu",
+            "seed": 0,
+            "output_dir": str(tmp_path / "run"),
+        },
+        "model": {
+            "name": "reference_transformer",
+            "vocab_size": 32,
+            "max_seq_len": 16,
+            "n_layer": 1,
+            "n_head": 2,
+            "n_kv_head": 1,
+            "d_model": 16,
+        },
         "data": {"micro_batch_size": 4},
         "precision": {"mode": "fp32"},
         "logging": {"log_every": 4, "progress": False},
@@ -50,7 +67,8 @@ def test_public_names_resolve_through_core() -> None:
     assert SyncResult(pushed=True, loaded_global=False, outer_step=3).outer_step == 3
     (row,) = [p for p in list_plugins() if p.name == "diloco"]
     assert {"config_sections", "after_optimizer_step", "on_checkpoint", "data_seed"} <= set(
-        row.hooks)
+        row.hooks
+    )
 
 
 def test_distributed_section_is_validated_and_redacted(tmp_path: Path) -> None:
@@ -60,22 +78,21 @@ def test_distributed_section_is_validated_and_redacted(tmp_path: Path) -> None:
     assert config.distributed.async_delta_upload is True  # the v2 default
     assert config.to_dict(redact=True)["distributed"]["token"] == "<redacted>"
     data["distributed"]["bogus"] = 1
-    with pytest.raises(ConfigError, match="distributed.bogus"):
+    with pytest.raises(ConfigError, match=r"distributed\.bogus"):
         SpeedtronicConfig.from_dict(data)
     for bad in ("..", "a/b", "a\\b", "."):
-        with pytest.raises(ConfigError, match="distributed.node_id"):
+        with pytest.raises(ConfigError, match=r"distributed\.node_id"):
             SpeedtronicConfig.from_dict(config_dict(tmp_path, node_id=bad))
-    with pytest.raises(ConfigError, match="distributed.repo_id"):
+    with pytest.raises(ConfigError, match=r"distributed\.repo_id"):
         SpeedtronicConfig.from_dict(config_dict(tmp_path, repo_id=None))
-    with pytest.raises(ConfigError, match="distributed.outer_momentum"):
+    with pytest.raises(ConfigError, match=r"distributed\.outer_momentum"):
         SpeedtronicConfig.from_dict(config_dict(tmp_path, outer_momentum=1.0))
 
 
 def test_each_node_draws_its_own_data(tmp_path: Path) -> None:
     hook = get_plugin_manager().hook.data_seed
     seeds = {
-        node: hook(config=SpeedtronicConfig.from_dict(config_dict(tmp_path, node_id=node)),
-                   seed=0)
+        node: hook(config=SpeedtronicConfig.from_dict(config_dict(tmp_path, node_id=node)), seed=0)
         for node in ("a", "b")
     }
     assert None not in seeds.values() and seeds["a"] != seeds["b"]
@@ -91,8 +108,9 @@ def test_each_node_draws_its_own_data(tmp_path: Path) -> None:
 
 def test_master_training_run_through_hooks(tmp_path: Path) -> None:
     events: list[tuple[str, dict[str, Any]]] = []
-    runtime = build_runtime(config_dict(tmp_path), console=False,
-                            hooks=[lambda e, p: events.append((e, p))])
+    runtime = build_runtime(
+        config_dict(tmp_path), console=False, hooks=[lambda e, p: events.append((e, p))]
+    )
     trainer = runtime.trainer
     result = trainer.fit()
     assert result.steps == 12
@@ -113,8 +131,10 @@ def test_master_training_run_through_hooks(tmp_path: Path) -> None:
 
 
 def test_reset_inner_optimizer_switch(tmp_path: Path) -> None:
-    runtime = build_runtime(config_dict(tmp_path, reset_inner_optimizer=False,
-                                        role="worker", node_id="w"), console=False)
+    runtime = build_runtime(
+        config_dict(tmp_path, reset_inner_optimizer=False, role="worker", node_id="w"),
+        console=False,
+    )
     runtime.trainer.fit()
     assert runtime.trainer.reset_optimizer_on_weight_replace is False
     assert runtime.trainer.optimizer.state  # never cleared

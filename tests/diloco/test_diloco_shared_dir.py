@@ -136,8 +136,10 @@ def test_readers_never_see_metadata_with_other_weights(tmp_path: Path) -> None:
     last = 40
     publish(store, tmp_path, 0)
     process = subprocess.Popen(
-        [sys.executable, "-c", READER, str(tmp_path / "store"), str(tmp_path / "p.st"),
-         str(last)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, "-c", READER, str(tmp_path / "store"), str(tmp_path / "p.st"), str(last)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     problems: list[BaseException] = []
     checked = [0]
@@ -195,8 +197,9 @@ def test_repo_id_selects_the_transport(repo_id: str, expected: Path | None) -> N
 def test_open_transport(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     shared = open_transport(DistributedConfig(repo_id=f"file://{tmp_path}"))
     assert isinstance(shared, SharedDirectoryTransport) and shared.root == tmp_path
-    assert isinstance(open_transport(DistributedConfig(repo_id=str(tmp_path))),
-                      SharedDirectoryTransport)
+    assert isinstance(
+        open_transport(DistributedConfig(repo_id=str(tmp_path))), SharedDirectoryTransport
+    )
     monkeypatch.setitem(sys.modules, "speedtronic_diloco.hub", None)  # not installed
     with pytest.raises(PermanentTransportError, match="file://"):
         open_transport(DistributedConfig(repo_id="org/run"))
@@ -226,8 +229,9 @@ def test_metadata_round_trip_and_legacy_step() -> None:
     assert legacy.outer_step == 3 and legacy.model_file == "global/latest.safetensors"
 
 
-def test_delta_listing_reads_no_file_content(tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_delta_listing_reads_no_file_content(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Listing only stats names (the master dedupes before downloading anything)."""
     store = SharedDirectoryTransport(tmp_path / "store")
     store.upload_delta("a", 1, weights_file(tmp_path, 1.0))

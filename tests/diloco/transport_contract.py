@@ -24,8 +24,10 @@ from speedtronic_diloco.transport import (
 
 
 def weights_file(tmp_path: Path, value: float, name: str = "w") -> Path:
-    return save_tensors(tmp_path / f"{name}_{value}.safetensors",
-                        {"w": torch.full((3, 3), value), "step": torch.tensor(int(value))})
+    return save_tensors(
+        tmp_path / f"{name}_{value}.safetensors",
+        {"w": torch.full((3, 3), value), "step": torch.tensor(int(value))},
+    )
 
 
 class TransportContract:
@@ -42,26 +44,38 @@ class TransportContract:
         for step in (0, 1, 2):
             source = weights_file(tmp_path, float(step))
             published = transport.publish_global(
-                source, GlobalMetadata.for_file(source, step, master="m", deltas_included=2,
-                                                processed=(("a", 5, "e"),)))
+                source,
+                GlobalMetadata.for_file(
+                    source, step, master="m", deltas_included=2, processed=(("a", 5, "e"),)
+                ),
+            )
             assert is_global_file(published.model_file)
             read = transport.read_global_metadata()
             assert read is not None
-            assert (read.outer_step, read.sha256, read.size) == (step, published.sha256,
-                                                                 source.stat().st_size)
+            assert (read.outer_step, read.sha256, read.size) == (
+                step,
+                published.sha256,
+                source.stat().st_size,
+            )
             assert read.processed == (("a", 5, "e"),) and read.master == "m"
             dest = transport.download_global(read, tmp_path / "got" / f"{step}.safetensors")
             assert dest.read_bytes() == source.read_bytes()
             assert float(load_file(dest)["w"][0, 0]) == step
 
-    def test_download_with_wrong_hash_raises_integrity_error(self, transport: Transport,
-                                                             tmp_path: Path) -> None:
+    def test_download_with_wrong_hash_raises_integrity_error(
+        self, transport: Transport, tmp_path: Path
+    ) -> None:
         transport.create_store()
         source = weights_file(tmp_path, 1.0)
         transport.publish_global(source, GlobalMetadata.for_file(source, 1))
         read = transport.read_global_metadata()
-        wrong = GlobalMetadata(outer_step=1, sha256="0" * 64, size=read.size,
-                               model_file=read.model_file, revision=read.revision)
+        wrong = GlobalMetadata(
+            outer_step=1,
+            sha256="0" * 64,
+            size=read.size,
+            model_file=read.model_file,
+            revision=read.revision,
+        )
         dest = tmp_path / "got.safetensors"
         with pytest.raises(IntegrityError):
             transport.download_global(wrong, dest)
@@ -74,8 +88,11 @@ class TransportContract:
         transport.upload_delta("node-b", 5, small)
         transport.upload_delta("node-a", 10, small)
         listing = transport.list_deltas()
-        assert sorted(info.key for info in listing) == [("node-a", 5), ("node-a", 10),
-                                                        ("node-b", 5)]
+        assert sorted(info.key for info in listing) == [
+            ("node-a", 5),
+            ("node-a", 10),
+            ("node-b", 5),
+        ]
         info = next(i for i in listing if i.key == ("node-b", 5))
         assert isinstance(info, DeltaInfo) and info.size == small.stat().st_size
         dest = transport.download_delta(info, tmp_path / "d" / "b5.safetensors")

@@ -31,8 +31,14 @@ from speedtronic_models import ReferenceTransformer
 
 pytestmark = pytest.mark.slow
 
-MODEL = {"vocab_size": 64, "max_seq_len": 32, "n_layer": 1, "n_head": 2, "n_kv_head": 1,
-         "d_model": 32}
+MODEL = {
+    "vocab_size": 64,
+    "max_seq_len": 32,
+    "n_layer": 1,
+    "n_head": 2,
+    "n_kv_head": 1,
+    "d_model": 32,
+}
 WAIT = 180.0  # generous: three processes share two contended cores
 
 
@@ -47,9 +53,14 @@ def write_config(tmp_path: Path) -> Path:
         "checkpoint": {"interval": 10, "keep_last": 2},
         "logging": {"log_every": 10, "progress": False},
         "distributed": {
-            "enabled": True, "repo_id": f"file://{tmp_path / 'shared'}", "inner_steps": 5,
-            "poll_interval": 0.3, "outer_lr": 0.7, "outer_momentum": 0.5,
-            "max_retries": 2, "retry_backoff": 0.1,
+            "enabled": True,
+            "repo_id": f"file://{tmp_path / 'shared'}",
+            "inner_steps": 5,
+            "poll_interval": 0.3,
+            "outer_lr": 0.7,
+            "outer_momentum": 0.5,
+            "max_retries": 2,
+            "retry_backoff": 0.1,
         },
     }
     path = tmp_path / "diloco.yaml"
@@ -81,19 +92,27 @@ class Node:
         self.run += 1
         self.output.mkdir(parents=True, exist_ok=True)
         command = [
-            sys.executable, "-m", "speedtronic", "train", "--config", str(self.config),
-            "--output-dir", str(self.output),
-            "--set", f"distributed.role={self.role}",
-            "--set", f"distributed.node_id={self.node_id}",
-            "--set", f"logging.json_file={self.metrics}",
+            sys.executable,
+            "-m",
+            "speedtronic",
+            "train",
+            "--config",
+            str(self.config),
+            "--output-dir",
+            str(self.output),
+            "--set",
+            f"distributed.role={self.role}",
+            "--set",
+            f"distributed.node_id={self.node_id}",
+            "--set",
+            f"logging.json_file={self.metrics}",
         ]
         if resume:
             command.append("--resume")
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         env.pop("SPEEDTRONIC_LOAD_PLUGINS", None)
         with open(self.log, "wb") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                            env=env)
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def events(self, name: str) -> list[dict[str, Any]]:
         if not self.metrics.exists():
@@ -131,8 +150,10 @@ def wait_until(predicate: Callable[[], Any], nodes: list[Node], what: str) -> An
             return value
         for node in nodes:
             if not node.alive():
-                pytest.fail(f"{node.node_id} exited ({node.process.returncode}) while waiting "
-                            f"for {what}:\n{node.tail()}")
+                pytest.fail(
+                    f"{node.node_id} exited ({node.process.returncode}) while waiting "
+                    f"for {what}:\n{node.tail()}"
+                )
         time.sleep(0.2)
     logs = "\n".join(f"--- {n.node_id}\n{n.tail()}" for n in nodes)
     pytest.fail(f"timed out waiting for {what}\n{logs}")
@@ -148,8 +169,11 @@ def store_metadata(shared: Path) -> dict[str, Any] | None:
 def master_state(path: Path) -> tuple[int, set[tuple[str, int]], dict[str, torch.Tensor]]:
     with safe_open(str(path), "pt") as handle:
         meta = handle.metadata()
-        momentum = {k: handle.get_tensor(k) for k in handle.keys()  # noqa: SIM118
-                    if k.startswith("momentum/")}
+        momentum = {
+            k: handle.get_tensor(k)
+            for k in handle.keys()  # noqa: SIM118
+            if k.startswith("momentum/")
+        }
     processed = {(node, step) for node, step, _ in json.loads(meta["processed"])}
     return int(meta["outer_step"]), processed, momentum
 
@@ -193,12 +217,14 @@ def test_master_and_two_workers_recover_and_improve(tmp_path: Path) -> None:
         killed_step, killed_processed, killed_momentum = master_state(state_file)
         assert killed_step >= 4 and killed_momentum
         master.start(resume=True)
-        rounds = wait_until(lambda: master.events("outer_step"), nodes,
-                            "an outer round of the restarted master")
+        rounds = wait_until(
+            lambda: master.events("outer_step"), nodes, "an outer round of the restarted master"
+        )
         first = rounds[0]
         assert first["outer_step"] == killed_step + 1, master.tail()
-        included = {(n, int(s)) for n, s in (item.split("@") for item in
-                                             first["included"].split(","))}
+        included = {
+            (n, int(s)) for n, s in (item.split("@") for item in first["included"].split(","))
+        }
         assert not included & killed_processed, "old deltas were aggregated again"
         log = master.log.read_text()
         assert f"master startup: local state at outer step {killed_step}" in log
@@ -209,17 +235,25 @@ def test_master_and_two_workers_recover_and_improve(tmp_path: Path) -> None:
         w2.wait()
         at_kill = store_metadata(shared)["outer_step"]
         w2.start(resume=True)
-        loaded = wait_until(lambda: [e for e in w2.events("global_loaded")
-                                     if e["outer_step"] >= at_kill], nodes,
-                            "the restarted worker to install the latest global")
+        loaded = wait_until(
+            lambda: [e for e in w2.events("global_loaded") if e["outer_step"] >= at_kill],
+            nodes,
+            "the restarted worker to install the latest global",
+        )
         assert loaded
-        new_uploads = wait_until(lambda: {int(e["step"]) for e in w2.events("delta_uploaded")},
-                                 nodes, "a delta from the restarted worker")
+        new_uploads = wait_until(
+            lambda: {int(e["step"]) for e in w2.events("delta_uploaded")},
+            nodes,
+            "a delta from the restarted worker",
+        )
 
         def rejoined() -> bool:
             for event in master.events("outer_step"):
-                steps = {int(item.split("@")[1]) for item in event["included"].split(",")
-                         if item.startswith("w2@")}
+                steps = {
+                    int(item.split("@")[1])
+                    for item in event["included"].split(",")
+                    if item.startswith("w2@")
+                }
                 if steps & new_uploads:
                     return True
             return False

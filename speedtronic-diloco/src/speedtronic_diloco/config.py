@@ -34,40 +34,48 @@ class DistributedConfig(Section):
         None, secret=True, help="Hub token; prefer the HF_TOKEN environment variable."
     )
     endpoint: str | None = option(
-        None, help="Hub base URL; default $HF_ENDPOINT (read when the run starts), else "
+        None,
+        help="Hub base URL; default $HF_ENDPOINT (read when the run starts), else "
         "https://huggingface.co.",
     )
     inner_steps: int = option(500, ge=1, help="Optimizer steps between delta uploads.")
     poll_interval: float = option(
-        60.0, ge=0, help="Seconds between polls for new global weights (and between the "
+        60.0,
+        ge=0,
+        help="Seconds between polls for new global weights (and between the "
         "master's outer rounds); boundaries always poll.",
     )
     outer_lr: float = option(0.7, gt=0, help="Learning rate of the outer Nesterov SGD.")
     outer_momentum: float = option(0.9, ge=0, lt=1, help="Momentum of the outer Nesterov SGD.")
     reset_inner_optimizer: bool = option(
-        True, help="Clear the inner optimizer's state whenever a delta is pushed or a new global "
+        True,
+        help="Clear the inner optimizer's state whenever a delta is pushed or a new global "
         "is installed.",
     )
     async_delta_upload: bool = option(
-        True, help="Upload deltas from a background lane (one job in flight; a boundary that "
+        True,
+        help="Upload deltas from a background lane (one job in flight; a boundary that "
         "finds it busy is skipped) instead of blocking the training step.",
     )
     async_global_poll: bool = option(
-        True, help="Fetch new global weights in a background lane; they are installed at the "
+        True,
+        help="Fetch new global weights in a background lane; they are installed at the "
         "next training step.",
     )
     state_dir: str | None = option(
-        None, help="Local state root (outer state, caches); relative paths are under "
+        None,
+        help="Local state root (outer state, caches); relative paths are under "
         "`run.output_dir`. Default `<run.output_dir>/diloco`.",
     )
     cache_dir: str | None = option(
-        None, help="Download cache; default `<state_dir>/<node_id>/cache`. Relative paths are "
+        None,
+        help="Download cache; default `<state_dir>/<node_id>/cache`. Relative paths are "
         "relative to the working directory.",
     )
     private: bool = option(True, help="Create the Hub repository as private (master).")
-    collaborators: list[str] = option(  # noqa: RUF009 - option() returns a dataclass field
-        default_factory=list, help="Users the master grants write access where the store "
-        "supports it.",
+    collaborators: list[str] = option(
+        default_factory=list,
+        help="Users the master grants write access where the store supports it.",
     )
     request_timeout: float = option(60.0, gt=0, help="Seconds before one store request fails.")
     max_retries: int = option(4, ge=0, help="Retries of a transient store failure.")

@@ -154,8 +154,13 @@ class DumbDiLoCoCoordinator:
         self._started = True
         self._stop = threading.Event()
         self.state_root.mkdir(parents=True, exist_ok=True)
-        log.info("DumbDiLoCo %s %r on %s (inner_steps %d)", self.role, self.node_id,
-                 self.transport.description, self.config.inner_steps)
+        log.info(
+            "DumbDiLoCo %s %r on %s (inner_steps %d)",
+            self.role,
+            self.node_id,
+            self.transport.description,
+            self.config.inner_steps,
+        )
         if self.role == "master":
             self._start_master()
         else:
@@ -177,11 +182,15 @@ class DumbDiLoCoCoordinator:
             return
         self._last_poll = time.monotonic()
         try:
-            metadata = self._retry.call("read global metadata",
-                                        self.transport.read_global_metadata, self._stop)
+            metadata = self._retry.call(
+                "read global metadata", self.transport.read_global_metadata, self._stop
+            )
         except TransportError as exc:
-            log.warning("reading global metadata from %s failed (%s); training on local weights",
-                        self.transport.description, exc)
+            log.warning(
+                "reading global metadata from %s failed (%s); training on local weights",
+                self.transport.description,
+                exc,
+            )
             return
         if metadata is None:
             log.info("no global weights published yet; training on local weights")
@@ -195,8 +204,11 @@ class DumbDiLoCoCoordinator:
         try:
             transport.create_store(private=self.config.private)
         except TransportError as exc:
-            log.warning("creating store %s failed (%s); training continues locally",
-                        transport.description, exc)
+            log.warning(
+                "creating store %s failed (%s); training continues locally",
+                transport.description,
+                exc,
+            )
         if self.config.collaborators:
             try:
                 transport.grant_write_access(list(self.config.collaborators))
@@ -205,9 +217,13 @@ class DumbDiLoCoCoordinator:
             except TransportError as exc:
                 log.warning("granting write access failed (%s); training continues", exc)
         outer = MasterOuterLoop(
-            transport, node_id=self.node_id, state_dir=self.state_root,
-            cache_dir=self.cache_dir, outer_lr=self.config.outer_lr,
-            outer_momentum=self.config.outer_momentum, retry=self._retry,
+            transport,
+            node_id=self.node_id,
+            state_dir=self.state_root,
+            cache_dir=self.cache_dir,
+            outer_lr=self.config.outer_lr,
+            outer_momentum=self.config.outer_momentum,
+            retry=self._retry,
             emit=self._queue_event,
         )
         if self._prepared_outer is not None and outer.load_state_dict(self._prepared_outer):
@@ -215,8 +231,9 @@ class DumbDiLoCoCoordinator:
         self.outer = outer
         remote: GlobalMetadata | None = None
         try:
-            remote = self._retry.call("read global metadata", transport.read_global_metadata,
-                                      self._stop)
+            remote = self._retry.call(
+                "read global metadata", transport.read_global_metadata, self._stop
+            )
         except TransportError as exc:
             log.warning("reading global metadata failed (%s); using local state", exc)
         choice = select_startup_state(outer.has_local_state, outer.outer_step, remote)
@@ -234,8 +251,9 @@ class DumbDiLoCoCoordinator:
             outer.bootstrap(cpu_state_dict(self.model.state_dict()))
         if store_step is not None:
             outer.continue_after(store_step)
-        elif choice is StartupChoice.LOCAL and (remote is None
-                                                or remote.outer_step < outer.outer_step):
+        elif choice is StartupChoice.LOCAL and (
+            remote is None or remote.outer_step < outer.outer_step
+        ):
             outer.mark_unpublished()
         log.info("master startup: %s state at outer step %d", choice.value, outer.outer_step)
         if not self._prepared:
@@ -258,8 +276,11 @@ class DumbDiLoCoCoordinator:
             if lane is not None and not lane.close(deadline - time.monotonic()):
                 stuck.append(lane.name)
         if stuck:
-            log.warning("DumbDiLoCo shutdown: %s still busy after %.0f s; it finishes in the "
-                        "background", ", ".join(stuck), STOP_TIMEOUT)
+            log.warning(
+                "DumbDiLoCo shutdown: %s still busy after %.0f s; it finishes in the background",
+                ", ".join(stuck),
+                STOP_TIMEOUT,
+            )
         self._upload_lane = self._poll_lane = None
         self._ready = None
         self._started = False
@@ -317,20 +338,31 @@ class DumbDiLoCoCoordinator:
     def _upload(self, job: _UploadJob) -> bool:
         path = self.state_root / "outbox" / f"delta_{job.local_step}.safetensors"
         try:
-            save_tensors(path, job.delta, {
-                "format": "1", "node_id": self.node_id, "local_step": job.local_step,
-                "base_outer_step": job.base_outer_step,
-            })
+            save_tensors(
+                path,
+                job.delta,
+                {
+                    "format": "1",
+                    "node_id": self.node_id,
+                    "local_step": job.local_step,
+                    "base_outer_step": job.base_outer_step,
+                },
+            )
             self._retry.call(
                 f"upload delta {job.local_step}",
                 lambda: self.transport.upload_delta(self.node_id, job.local_step, path),
                 self._stop,
             )
         except (TransportError, OSError) as exc:
-            log.warning("uploading the delta of step %d failed (%s); the next boundary sends "
-                        "a cumulative delta", job.local_step, exc)
-            self._queue_event("delta_upload_failed", {"step": job.local_step,
-                                                      "error": str(exc)[:200]})
+            log.warning(
+                "uploading the delta of step %d failed (%s); the next boundary sends "
+                "a cumulative delta",
+                job.local_step,
+                exc,
+            )
+            self._queue_event(
+                "delta_upload_failed", {"step": job.local_step, "error": str(exc)[:200]}
+            )
             return False
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -339,8 +371,9 @@ class DumbDiLoCoCoordinator:
             self._last_uploaded_step = job.local_step
             if job.generation == self._generation:
                 self._baseline = job.target
-        self._queue_event("delta_uploaded", {"step": job.local_step,
-                                             "base_outer_step": job.base_outer_step})
+        self._queue_event(
+            "delta_uploaded", {"step": job.local_step, "base_outer_step": job.base_outer_step}
+        )
         return True
 
     # ----------------------------------------------------------------- polling
@@ -362,11 +395,15 @@ class DumbDiLoCoCoordinator:
         """Read metadata and fetch the global if it is newer than what is installed or ready.
         With ``stash`` the result waits in ``_ready`` for the training thread."""
         try:
-            metadata = self._retry.call("read global metadata",
-                                        self.transport.read_global_metadata, self._stop)
+            metadata = self._retry.call(
+                "read global metadata", self.transport.read_global_metadata, self._stop
+            )
         except TransportError as exc:
-            log.warning("polling %s failed (%s); keeping the current weights",
-                        self.transport.description, exc)
+            log.warning(
+                "polling %s failed (%s); keeping the current weights",
+                self.transport.description,
+                exc,
+            )
             return None
         with self._lock:
             known = max(self._last_global_step, self._ready[0] if self._ready else -1)
@@ -393,7 +430,8 @@ class DumbDiLoCoCoordinator:
         try:
             self._retry.call(
                 f"download global {metadata.outer_step}",
-                lambda: self.transport.download_global(metadata, path), self._stop,
+                lambda: self.transport.download_global(metadata, path),
+                self._stop,
             )
         except TransportError as exc:
             log.warning("downloading global outer step %d failed (%s)", metadata.outer_step, exc)
@@ -464,9 +502,12 @@ class DumbDiLoCoCoordinator:
             self._last_uploaded_step = None if uploaded is None else int(uploaded)
             baseline = state.get("baseline")
             if self._started and last_global < self._last_global_step:
-                log.info("checkpointed baseline (outer step %d) is older than the installed "
-                         "global (outer step %d); keeping the newer one", last_global,
-                         self._last_global_step)
+                log.info(
+                    "checkpointed baseline (outer step %d) is older than the installed "
+                    "global (outer step %d); keeping the newer one",
+                    last_global,
+                    self._last_global_step,
+                )
             elif baseline:
                 self._baseline = {k: v.detach().cpu().clone() for k, v in baseline.items()}
                 self._generation += 1

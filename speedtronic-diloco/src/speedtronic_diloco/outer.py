@@ -59,8 +59,9 @@ class StartupChoice(enum.Enum):
     BOOTSTRAP = "bootstrap"  # nothing anywhere: the current model becomes outer step 0
 
 
-def select_startup_state(has_local: bool, local_step: int,
-                         remote: GlobalMetadata | None) -> StartupChoice:
+def select_startup_state(
+    has_local: bool, local_step: int, remote: GlobalMetadata | None
+) -> StartupChoice:
     """The startup-selection table: L = ``local_step``, R = ``remote.outer_step``."""
     if remote is not None and remote.outer_step > local_step:
         return StartupChoice.REMOTE
@@ -71,8 +72,9 @@ def select_startup_state(has_local: bool, local_step: int,
     return StartupChoice.BOOTSTRAP
 
 
-def nesterov_step(params: TensorDict, grads: TensorDict, momentum_buffers: TensorDict,
-                  lr: float, momentum: float) -> tuple[TensorDict, TensorDict]:
+def nesterov_step(
+    params: TensorDict, grads: TensorDict, momentum_buffers: TensorDict, lr: float, momentum: float
+) -> tuple[TensorDict, TensorDict]:
     """One SGD step with Nesterov momentum; returns new ``(params, buffers)`` and leaves the
     inputs untouched (readers may still hold them)."""
     new_params = dict(params)
@@ -162,16 +164,22 @@ class MasterOuterLoop:
             log.warning("master state %s is unreadable (%s); ignoring it", path, exc)
             return False
         with self._lock:
-            self.global_state = {k[len("global/"):]: v for k, v in tensors.items()
-                                 if k.startswith("global/")}
-            self.momentum = {k[len("momentum/"):]: v for k, v in tensors.items()
-                             if k.startswith("momentum/")}
+            self.global_state = {
+                k[len("global/") :]: v for k, v in tensors.items() if k.startswith("global/")
+            }
+            self.momentum = {
+                k[len("momentum/") :]: v for k, v in tensors.items() if k.startswith("momentum/")
+            }
             self.outer_step = outer_step
             self.processed = processed
             self.published_step = published
             self.has_local_state = True
-        log.info("master state: outer step %d, %d processed deltas (%s)", outer_step,
-                 len(processed), path)
+        log.info(
+            "master state: outer step %d, %d processed deltas (%s)",
+            outer_step,
+            len(processed),
+            path,
+        )
         return True
 
     def save(self) -> None:
@@ -230,8 +238,12 @@ class MasterOuterLoop:
             self.published_step = -1
         self.save()
 
-    def adopt(self, outer_step: int, weights: TensorDict,
-              processed: Iterable[tuple[str, int, str | None]] = ()) -> None:
+    def adopt(
+        self,
+        outer_step: int,
+        weights: TensorDict,
+        processed: Iterable[tuple[str, int, str | None]] = (),
+    ) -> None:
         """Continue from the store's global at ``outer_step``; momentum restarts from zero and
         the store's ledger joins the local one."""
         with self._lock:
@@ -268,15 +280,24 @@ class MasterOuterLoop:
         self._round_lock.acquire()
         try:
             save_tensors(path, weights, {"outer_step": str(step), "master": self.node_id})
-            meta = GlobalMetadata.for_file(path, step, published_at=time.time(),
-                                           master=self.node_id, deltas_included=deltas_included,
-                                           processed=ledger)
+            meta = GlobalMetadata.for_file(
+                path,
+                step,
+                published_at=time.time(),
+                master=self.node_id,
+                deltas_included=deltas_included,
+                processed=ledger,
+            )
             published = self.retry.call(
                 "publish global", lambda: self.transport.publish_global(path, meta), self._stop
             )
         except TransportError as exc:
-            log.warning("publishing outer step %d to %s failed (%s); will retry next round",
-                        step, self.transport.description, exc)
+            log.warning(
+                "publishing outer step %d to %s failed (%s); will retry next round",
+                step,
+                self.transport.description,
+                exc,
+            )
             return None
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -336,8 +357,11 @@ class MasterOuterLoop:
             if deltas:
                 mean = _mean(deltas)
                 params, buffers = nesterov_step(
-                    floating_only(self.global_state), mean, self.momentum,
-                    self.outer_lr, self.outer_momentum,
+                    floating_only(self.global_state),
+                    mean,
+                    self.momentum,
+                    self.outer_lr,
+                    self.outer_momentum,
                 )
                 self.global_state = {**self.global_state, **params}
                 self.momentum = buffers
@@ -351,24 +375,35 @@ class MasterOuterLoop:
         if not deltas and not rejected:
             return None
         self.save()  # before publishing: see the module docstring
-        result = RoundResult(step, len(new), len(included),
-                             tuple(i.key for i in included), tuple(i.key for i in rejected))
+        result = RoundResult(
+            step,
+            len(new),
+            len(included),
+            tuple(i.key for i in included),
+            tuple(i.key for i in rejected),
+        )
         if deltas:
             self.publish(len(included))
-            self._emit("outer_step", {
-                "outer_step": step,
-                "deltas_found": len(new),
-                "deltas_included": len(included),
-                "deltas_rejected": len(rejected),
-                "included": ",".join(f"{n}@{s}" for n, s in result.included),
-            })
+            self._emit(
+                "outer_step",
+                {
+                    "outer_step": step,
+                    "deltas_found": len(new),
+                    "deltas_included": len(included),
+                    "deltas_rejected": len(rejected),
+                    "included": ",".join(f"{n}@{s}" for n, s in result.included),
+                },
+            )
         return result
 
     def _fetch_delta(self, info: DeltaInfo, reference: TensorDict) -> Any:
         dest = self.cache_dir / "deltas" / info.node_id / f"delta_{info.local_step}.safetensors"
         try:
-            self.retry.call(f"download {info.path}",
-                            lambda: self.transport.download_delta(info, dest), self._stop)
+            self.retry.call(
+                f"download {info.path}",
+                lambda: self.transport.download_delta(info, dest),
+                self._stop,
+            )
         except TransportError as exc:
             log.warning("downloading %s failed (%s); trying again next round", info.path, exc)
             return None
@@ -389,8 +424,9 @@ class MasterOuterLoop:
         if self._thread is not None and self._thread.is_alive():
             return
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, args=(interval,),
-                                        name="diloco-outer", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop, args=(interval,), name="diloco-outer", daemon=True
+        )
         self._thread.start()
 
     def _loop(self, interval: float) -> None:
@@ -441,5 +477,6 @@ def _ledger_to(ledger: Ledger) -> list[list[Any]]:
 
 
 def _ledger_from(items: Iterable[Any]) -> Ledger:
-    return {(str(node), int(step)): (None if etag is None else str(etag))
-            for node, step, etag in items}
+    return {
+        (str(node), int(step)): (None if etag is None else str(etag)) for node, step, etag in items
+    }

@@ -84,7 +84,9 @@ def on_train_start(trainer: Any) -> None:
     coordinator = _coordinators.get(trainer)
     if coordinator is None:
         coordinator = DumbDiLoCoCoordinator(
-            section, trainer.model, state_dir=state_dir_for(trainer.config, section),
+            section,
+            trainer.model,
+            state_dir=state_dir_for(trainer.config, section),
             logger=trainer.metrics,
         )
         _coordinators[trainer] = coordinator

@@ -47,8 +47,9 @@ class RetryPolicy:
                 if time.monotonic() + delay > deadline:
                     raise
                 attempt += 1
-                log.info("%s failed (%s); retry %d/%d in %.1fs", what, exc, attempt,
-                         self.retries, delay)
+                log.info(
+                    "%s failed (%s); retry %d/%d in %.1fs", what, exc, attempt, self.retries, delay
+                )
                 if stop is not None:
                     if stop.wait(delay):
                         raise

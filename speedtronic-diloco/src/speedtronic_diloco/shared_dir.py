@@ -52,9 +52,9 @@ def shared_dir_root(repo_id: str) -> Path | None:
     is relative to the working directory.
     """
     if repo_id.startswith("file://"):
-        rest = repo_id[len("file://"):]
+        rest = repo_id[len("file://") :]
         if rest.startswith("localhost/"):
-            rest = rest[len("localhost"):]
+            rest = rest[len("localhost") :]
         if not rest:
             raise PermanentTransportError(f"distributed.repo_id {repo_id!r} names no directory")
         return Path(rest)
@@ -106,8 +106,10 @@ class SharedDirectoryTransport(Transport):
     def create_store(self, *, private: bool = True) -> None:
         """Create ``root``, ``global/`` and ``nodes/`` (visibility is the filesystem's)."""
         for sub in ("global", "nodes"):
-            _classify(f"create {self.root / sub}",
-                      lambda sub=sub: (self.root / sub).mkdir(parents=True, exist_ok=True))
+            _classify(
+                f"create {self.root / sub}",
+                lambda sub=sub: (self.root / sub).mkdir(parents=True, exist_ok=True),
+            )
 
     def read_global_metadata(self) -> GlobalMetadata | None:
         """Parse ``global/step_count.json``; None when the store or the file does not exist."""
@@ -125,8 +127,10 @@ class SharedDirectoryTransport(Transport):
     def download_global(self, metadata: GlobalMetadata, dest: Path) -> Path:
         """Copy the version file the metadata names to ``dest``, verifying it."""
         source = self.root / metadata.model_file
-        return _classify(f"download {source}", lambda: _copy_verified(
-            source, Path(dest), metadata.size, metadata.sha256))
+        return _classify(
+            f"download {source}",
+            lambda: _copy_verified(source, Path(dest), metadata.size, metadata.sha256),
+        )
 
     def publish_global(self, weights: Path, metadata: GlobalMetadata) -> GlobalMetadata:
         """Version file, then ``latest.safetensors``, then the metadata (see module doc)."""
@@ -199,16 +203,23 @@ class SharedDirectoryTransport(Transport):
                     stat = (nodes / node / name).stat()
                 except FileNotFoundError:
                     continue
-                found.append(DeltaInfo(parsed[0], parsed[1], rel, stat.st_size,
-                                       f"{stat.st_size}-{stat.st_mtime_ns}"))
+                found.append(
+                    DeltaInfo(
+                        parsed[0],
+                        parsed[1],
+                        rel,
+                        stat.st_size,
+                        f"{stat.st_size}-{stat.st_mtime_ns}",
+                    )
+                )
         return sorted(found, key=lambda info: (info.node_id, info.local_step))
 
     def download_delta(self, info: DeltaInfo, dest: Path) -> Path:
         """Copy the delta file to ``dest`` atomically."""
         source = self.root / info.path
-        return _classify(f"download {source}", lambda: _copy_verified(source, Path(dest), None,
-                                                                      None))
+        return _classify(
+            f"download {source}", lambda: _copy_verified(source, Path(dest), None, None)
+        )
 
     def __repr__(self) -> str:
         return f"SharedDirectoryTransport({str(self.root)!r})"
-

@@ -55,8 +55,9 @@ def floating_only(state: Mapping[str, torch.Tensor]) -> TensorDict:
     return {k: v for k, v in state.items() if is_floating(v)}
 
 
-def compute_pseudo_gradient(baseline: Mapping[str, torch.Tensor],
-                            current: Mapping[str, torch.Tensor]) -> TensorDict:
+def compute_pseudo_gradient(
+    baseline: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor]
+) -> TensorDict:
     """``baseline - current`` over the floating tensors: the direction the node moved, with
     the sign of a gradient. Raises StateMismatchError when keys or shapes differ."""
     base = floating_only(baseline)
@@ -99,8 +100,9 @@ def check_delta(delta: Mapping[str, torch.Tensor], reference: Mapping[str, torch
             raise StateMismatchError(f"{name}: delta has non-finite values")
 
 
-def install_state(model: nn.Module, incoming: Mapping[str, torch.Tensor]) -> tuple[list[str],
-                                                                                    list[str]]:
+def install_state(
+    model: nn.Module, incoming: Mapping[str, torch.Tensor]
+) -> tuple[list[str], list[str]]:
     """Load the entries of ``incoming`` whose key exists in ``model`` with the same shape.
 
     Missing keys, extra local keys and shape mismatches are kept/ignored instead of raising.
@@ -116,15 +118,19 @@ def install_state(model: nn.Module, incoming: Mapping[str, torch.Tensor]) -> tup
             continue
         filtered[name] = tensor
     if skipped:
-        log.warning("global state: %d entries skipped (absent here or other shape), e.g. %s",
-                    len(skipped), skipped[:3])
+        log.warning(
+            "global state: %d entries skipped (absent here or other shape), e.g. %s",
+            len(skipped),
+            skipped[:3],
+        )
     with torch.no_grad():
         model.load_state_dict(filtered, strict=False)
     return sorted(filtered), skipped
 
 
-def save_tensors(path: str | Path, tensors: Mapping[str, torch.Tensor],
-                 metadata: Mapping[str, str] | None = None) -> Path:
+def save_tensors(
+    path: str | Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> Path:
     """Write ``tensors`` as a safetensors file atomically (temp, fsync, rename)."""
     path = Path(path)
     data = {k: v.contiguous() for k, v in tensors.items()}

@@ -102,8 +102,12 @@ class GlobalMetadata:
     @classmethod
     def for_file(cls, path: str | Path, outer_step: int, **kwargs: Any) -> GlobalMetadata:
         """Metadata describing the weights file at ``path`` (hashes it)."""
-        return cls(outer_step=outer_step, sha256=sha256_file(path), size=Path(path).stat().st_size,
-                   **kwargs)
+        return cls(
+            outer_step=outer_step,
+            sha256=sha256_file(path),
+            size=Path(path).stat().st_size,
+            **kwargs,
+        )
 
     def with_revision(self, revision: str | None, model_file: str | None = None) -> GlobalMetadata:
         """A copy pinned to ``revision`` (and ``model_file`` when given)."""
