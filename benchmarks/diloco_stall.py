@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import statistics
 import tempfile
 import threading
 import time
@@ -198,10 +197,6 @@ def main() -> None:
             f"{b50 / o50:>10.2f}{b99 / o99:>10.2f}  {row['uploaded']}/{row['skipped']}/"
             f"{row['loaded']}"
         )
-    print(
-        f"mean other-step time: async {statistics.mean(rows['async']['other']):.3f} s, "
-        f"sync {statistics.mean(rows['sync']['other']):.3f} s"
-    )
 
 
 if __name__ == "__main__":
