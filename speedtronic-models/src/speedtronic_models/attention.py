@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from speedtronic_models.config import TransformerConfig
 from speedtronic_models.rotary import apply_rotary
+from speedtronic_models.torch_compat import grouped_sdpa
 
 
 class GroupedQueryAttention(nn.Module):
@@ -38,7 +38,7 @@ class GroupedQueryAttention(nn.Module):
         q = apply_rotary(q, cos, sin).transpose(1, 2)
         k = apply_rotary(k, cos, sin).transpose(1, 2)
         v = v.transpose(1, 2)
-        y = F.scaled_dot_product_attention(
+        y = grouped_sdpa(
             q,
             k,
             v,
@@ -46,7 +46,6 @@ class GroupedQueryAttention(nn.Module):
             dropout_p=self.dropout if self.training else 0.0,
             # Without a mask SDPA builds causality into the kernel: no [T, T] tensor at all.
             is_causal=mask is None,
-            enable_gqa=self.n_kv_head != self.n_head,
         )
         return self.out(y.transpose(1, 2).reshape(batch, seq_len, -1))
 

@@ -21,6 +21,7 @@ from speedtronic_models.attention import GroupedQueryAttention, padding_causal_m
 from speedtronic_models.config import TransformerConfig
 from speedtronic_models.feedforward import SwiGLU
 from speedtronic_models.rotary import RotaryEmbedding
+from speedtronic_models.torch_compat import RMSNorm
 
 IGNORE_INDEX = -100
 _INIT_STD = 0.02
@@ -36,9 +37,9 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
-        self.attn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.attn_norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.attn = GroupedQueryAttention(config)
-        self.mlp_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.mlp_norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.mlp = SwiGLU(config.d_model, config.ffn_hidden)
         self.resid_dropout = _dropout(config.dropout)
 
@@ -96,7 +97,7 @@ class ReferenceTransformer(nn.Module):
         self.emb_dropout = _dropout(config.dropout)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_theta)
         self.blocks = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
-        self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.reset_parameters()
 
     @classmethod
@@ -122,7 +123,7 @@ class ReferenceTransformer(nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=_INIT_STD)
-            elif isinstance(module, nn.RMSNorm):
+            elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
         residual_std = _INIT_STD / math.sqrt(2 * self.config.n_layer)
         for block in self.blocks:
