@@ -44,25 +44,27 @@ def decay_groups(model: nn.Module, config: OptimizerConfig) -> list[dict[str, An
     groups = []
     for label, items, wd in (("decay", decay, config.weight_decay), ("no_decay", no_decay, 0.0)):
         if items:
-            groups.append({
-                "params": [p for _, p in items],
-                "param_names": [n for n, _ in items],
-                "weight_decay": wd,
-                "group": label,
-            })
+            groups.append(
+                {
+                    "params": [p for _, p in items],
+                    "param_names": [n for n, _ in items],
+                    "weight_decay": wd,
+                    "group": label,
+                }
+            )
     return groups
 
 
-def build_adamw(groups: list[dict[str, Any]], config: OptimizerConfig,
-                device: torch.device) -> torch.optim.Optimizer:
+def build_adamw(
+    groups: list[dict[str, Any]], config: OptimizerConfig, device: torch.device
+) -> torch.optim.Optimizer:
     """AdamW, fused when it constructs on CUDA (unless ``fused: false``), else the default."""
     groups = list(groups)
     if not any(group["params"] if isinstance(group, dict) else True for group in groups):
         raise SpeedtronicError("the model has no trainable parameters (none requires grad)")
     kwargs = {"lr": config.lr, "betas": tuple(config.betas), "eps": config.eps}
     if config.fused and device.type != "cuda":
-        log.info("optimizer.fused applies to CUDA only; using the default AdamW on %s",
-                 device.type)
+        log.info("optimizer.fused applies to CUDA only; using the default AdamW on %s", device.type)
     if device.type == "cuda" and config.fused is not False:
         try:
             optimizer = torch.optim.AdamW(groups, fused=True, **kwargs)
@@ -80,14 +82,18 @@ def log_groups(optimizer: torch.optim.Optimizer) -> None:
         names = group.get("param_names") or []
         log.info(
             "optimizer group %s (%s, lr %.3g, weight_decay %.3g): %d tensors%s",
-            group.get("group", "?"), type(optimizer).__name__, group["lr"],
-            group.get("weight_decay", 0.0), len(group["params"]),
+            group.get("group", "?"),
+            type(optimizer).__name__,
+            group["lr"],
+            group.get("weight_decay", 0.0),
+            len(group["params"]),
             f" [{', '.join(names[:6])}{', ...' if len(names) > 6 else ''}]" if names else "",
         )
 
 
-def build_optimizer(model: nn.Module, config: OptimizerConfig,
-                    device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, config: OptimizerConfig, device: torch.device
+) -> torch.optim.Optimizer:
     """The configured optimizer over ``model``'s trainable parameters."""
     if config.name == "muon":
         from speedtronic.muon import build_muon_optimizer
@@ -123,7 +129,8 @@ def lr_lambda(config: SchedulerConfig, max_steps: int) -> Callable[[int], float]
     return factor
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, config: SchedulerConfig,
-                    max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, config: SchedulerConfig, max_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     """Warmup then cosine (to ``min_lr_ratio``) or constant, over ``total_steps`` or max_steps."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config, max_steps))

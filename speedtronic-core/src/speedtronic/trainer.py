@@ -211,11 +211,13 @@ class Trainer:
         self.model = model.to(self.device)
         self.precision: Precision = resolve_precision(config.precision.mode, self.device)
         self.optimizer = (
-            optimizer if optimizer is not None
+            optimizer
+            if optimizer is not None
             else build_optimizer(self.model, config.optimizer, self.device)
         )
         self.scheduler = (
-            scheduler if scheduler is not None
+            scheduler
+            if scheduler is not None
             else build_scheduler(self.optimizer, config.scheduler, config.run.max_steps)
         )
         self.plugin_manager = plugin_manager if plugin_manager is not None else get_plugin_manager()
@@ -250,15 +252,18 @@ class Trainer:
             else:
                 log.warning(
                     "gradient_checkpointing is on but %s has no set_gradient_checkpointing(); "
-                    "training without it", type(self.model).__name__,
+                    "training without it",
+                    type(self.model).__name__,
                 )
         if self.config.compile.enabled:
             options = self.config.compile
             try:
                 self._forward_model = torch.compile(
-                    self.model, backend=options.backend,
+                    self.model,
+                    backend=options.backend,
                     mode=None if options.mode == "default" else options.mode,
-                    fullgraph=options.fullgraph, dynamic=options.dynamic,
+                    fullgraph=options.fullgraph,
+                    dynamic=options.dynamic,
                 )
                 self._compiled = True
             except Exception as exc:  # torch.compile itself is unavailable here
@@ -384,8 +389,9 @@ class Trainer:
     def _batches(self) -> Iterator[Any]:
         if isinstance(self.data, DataSource):
             if self.samples_seen and not self.data.exact_resume:
-                log.warning("this data source resumes by skipping %d consumed samples",
-                            self.samples_seen)
+                log.warning(
+                    "this data source resumes by skipping %d consumed samples", self.samples_seen
+                )
             return self.data.iterate(self.samples_seen)
         batches = repeat_epochs(self.data)
         if self.samples_seen:
@@ -477,20 +483,33 @@ class Trainer:
             log.info(message)
             self.metrics.emit("already_finished", {"step": self.step, "max_steps": max_steps})
             self.metrics.close()
-            return TrainResult(self.step, None, self.samples_seen, self.tokens_seen,
-                               resumed_from=self.resumed_from, summary={"message": message})
+            return TrainResult(
+                self.step,
+                None,
+                self.samples_seen,
+                self.tokens_seen,
+                resumed_from=self.resumed_from,
+                summary={"message": message},
+            )
 
         error: BaseException | None = None
         started = time.perf_counter()
         final_loss: float | None = None
         try:
             self.plugin_manager.hook.on_train_start(trainer=self)
-            self.metrics.emit("train_start", {
-                "step": self.step, "start_step": self.step, "max_steps": max_steps,
-                "device": self.device.type, "precision": self.precision.mode,
-                "accumulation_steps": self.accumulation_steps,
-                "compiled": self._compiled, "config": self.config.to_dict(redact=True),
-            })
+            self.metrics.emit(
+                "train_start",
+                {
+                    "step": self.step,
+                    "start_step": self.step,
+                    "max_steps": max_steps,
+                    "device": self.device.type,
+                    "precision": self.precision.mode,
+                    "accumulation_steps": self.accumulation_steps,
+                    "compiled": self._compiled,
+                    "config": self.config.to_dict(redact=True),
+                },
+            )
             final_loss = self._loop(max_steps)
             if self.config.checkpoint.save_final and not self._saved_at(self.step):
                 self.save_checkpoint()
@@ -500,8 +519,11 @@ class Trainer:
         finally:
             elapsed = time.perf_counter() - started
             summary = {
-                "steps": self.step, "final_loss": final_loss, "samples": self.samples_seen,
-                "tokens": self.tokens_seen, "elapsed_s": elapsed,
+                "steps": self.step,
+                "final_loss": final_loss,
+                "samples": self.samples_seen,
+                "tokens": self.tokens_seen,
+                "elapsed_s": elapsed,
                 "weights_replaced": self.weights_replaced,
                 "status": "ok" if error is None else f"error: {type(error).__name__}",
             }
@@ -512,8 +534,15 @@ class Trainer:
                 self.plugin_manager.hook.on_train_end(trainer=self, error=error)
             finally:
                 self.metrics.close()
-        return TrainResult(self.step, final_loss, self.samples_seen, self.tokens_seen, elapsed,
-                           self.resumed_from, summary)
+        return TrainResult(
+            self.step,
+            final_loss,
+            self.samples_seen,
+            self.tokens_seen,
+            elapsed,
+            self.resumed_from,
+            summary,
+        )
 
     def _saved_at(self, step: int) -> bool:
         interval = self.config.checkpoint.interval
@@ -566,18 +595,21 @@ class Trainer:
                 if not math.isfinite(last_loss):
                     log.warning("the loss is %s at step %d", last_loss, self.step)
                 elapsed = max(time.perf_counter() - window_start, 1e-9)
-                self.metrics.emit("step", {
-                    "step": self.step,
-                    "loss": last_loss,
-                    "lr": float(self.optimizer.param_groups[0]["lr"]),
-                    "grad_norm": float(grad_norm.item()) if grad_norm is not None else None,
-                    "steps_per_sec": window_steps / elapsed,
-                    "samples_per_sec": window_samples / elapsed,
-                    "tokens_per_sec": window_tokens / elapsed,
-                    "memory_mb": process_memory_mb(self.device),
-                    "samples": self.samples_seen,
-                    "tokens": self.tokens_seen,
-                })
+                self.metrics.emit(
+                    "step",
+                    {
+                        "step": self.step,
+                        "loss": last_loss,
+                        "lr": float(self.optimizer.param_groups[0]["lr"]),
+                        "grad_norm": float(grad_norm.item()) if grad_norm is not None else None,
+                        "steps_per_sec": window_steps / elapsed,
+                        "samples_per_sec": window_samples / elapsed,
+                        "tokens_per_sec": window_tokens / elapsed,
+                        "memory_mb": process_memory_mb(self.device),
+                        "samples": self.samples_seen,
+                        "tokens": self.tokens_seen,
+                    },
+                )
                 window_loss = torch.zeros((), device=self.device)
                 window_steps = window_samples = window_tokens = 0
                 window_start = time.perf_counter()
@@ -591,10 +623,14 @@ class Trainer:
     def _skipped_step(self) -> None:
         """Report a GradScaler overflow; the step, scheduler and plugins do not advance."""
         self._consecutive_skips += 1
-        self.metrics.emit("optimizer_step_skipped", {
-            "step": self.step, "scale": self.scaler.get_scale(),
-            "consecutive": self._consecutive_skips,
-        })
+        self.metrics.emit(
+            "optimizer_step_skipped",
+            {
+                "step": self.step,
+                "scale": self.scaler.get_scale(),
+                "consecutive": self._consecutive_skips,
+            },
+        )
         if self._consecutive_skips >= MAX_CONSECUTIVE_SKIPS:
             raise SpeedtronicError(
                 f"{self._consecutive_skips} optimizer steps in a row were skipped for inf/NaN "
