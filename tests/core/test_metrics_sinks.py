@@ -9,11 +9,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
+from core.toy_runs import Bigram, toy_trainer
 
 from speedtronic import SpeedtronicConfig, hookimpl, plugins
-from speedtronic.data import build_dataloader
 from speedtronic.metrics import ConsoleSink, JsonlSink, MetricLogger, TextFileSink
 from speedtronic.trainer import Trainer, process_memory_mb
 
@@ -29,21 +27,11 @@ STEP_KEYS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+class Exploding(Bigram):
+    """Raises on its ``fail_at``-th forward call."""
 
-
-class Bigram(nn.Module):
-    vocab_size = 16
-    max_seq_len = 8
-
-    def __init__(self, fail_at: int | None = None) -> None:
+    def __init__(self, fail_at: int) -> None:
         super().__init__()
-        self.table = nn.Embedding(16, 16)
         self.fail_at = fail_at
         self.calls = 0
 
@@ -51,7 +39,7 @@ class Bigram(nn.Module):
         self.calls += 1
         if self.calls == self.fail_at:
             raise RuntimeError("model exploded")
-        return F.cross_entropy(self.table(input_ids).view(-1, 16), labels.reshape(-1))
+        return super().forward(input_ids, labels)
 
 
 def run(tmp_path, hooks=(), model=None, **logging_section: Any) -> Trainer:
@@ -64,12 +52,7 @@ def run(tmp_path, hooks=(), model=None, **logging_section: Any) -> Trainer:
             "logging": {"log_every": 3, **logging_section},
         }
     )
-    trainer = Trainer(
-        model or Bigram(),
-        config,
-        data=build_dataloader(config, seq_len=8, vocab_size=16),
-        metric_logger=MetricLogger(hooks),
-    )
+    trainer = toy_trainer(model or Bigram(), config, hooks)
     trainer.fit()
     return trainer
 
@@ -183,10 +166,10 @@ def test_sinks_are_closed_at_the_end_also_on_error(tmp_path):
     jsonl = tmp_path / "m.jsonl"
     json_sink = JsonlSink(jsonl)
     run(tmp_path, hooks=[Closing("ok"), json_sink])
-    assert closed == ["ok"] and json_sink._file._handle is None
+    assert closed == ["ok"] and json_sink._handle is None
     with pytest.raises(RuntimeError, match="model exploded"):
-        run(tmp_path, hooks=[Closing("failed"), json_sink], model=Bigram(fail_at=5))
-    assert closed == ["ok", "failed"] and json_sink._file._handle is None
+        run(tmp_path, hooks=[Closing("failed"), json_sink], model=Exploding(fail_at=5))
+    assert closed == ["ok", "failed"] and json_sink._handle is None
     last = json.loads(jsonl.read_text().splitlines()[-1])
     assert last["event"] == "train_end" and last["status"] == "error: RuntimeError"
 

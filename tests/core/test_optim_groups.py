@@ -7,24 +7,14 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from core.toy_runs import merge_sections, toy_trainer
 from torch import nn
 
 from speedtronic import SpeedtronicConfig, SpeedtronicError
 from speedtronic.config import OptimizerConfig, SchedulerConfig
-from speedtronic.data import build_dataloader
-from speedtronic.metrics import MetricLogger
 from speedtronic.optim import build_adamw, build_optimizer, decay_groups, lr_lambda
-from speedtronic.trainer import Trainer
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class Small(nn.Module):
@@ -109,9 +99,7 @@ def make_config(tmp_path, **sections) -> SpeedtronicConfig:
         "checkpoint": {"save_final": False},
         "logging": {"log_every": 1},
     }
-    for name, values in sections.items():
-        data.setdefault(name, {}).update(values)
-    return SpeedtronicConfig.from_dict(data)
+    return SpeedtronicConfig.from_dict(merge_sections(data, sections))
 
 
 def fit(tmp_path, make_optimizer=None, **sections) -> tuple[Small, list[dict]]:
@@ -119,12 +107,11 @@ def fit(tmp_path, make_optimizer=None, **sections) -> tuple[Small, list[dict]]:
     model = Small()
     config = make_config(tmp_path, **sections)
     steps: list[dict] = []
-    trainer = Trainer(
+    trainer = toy_trainer(
         model,
         config,
-        data=build_dataloader(config, seq_len=8, vocab_size=16),
+        [lambda e, p: steps.append(p) if e == "step" else None],
         optimizer=make_optimizer(model) if make_optimizer else None,
-        metric_logger=MetricLogger([lambda e, p: steps.append(p) if e == "step" else None]),
     )
     trainer.fit()
     return model, steps

@@ -12,40 +12,26 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from core import toy_runs
+from core.toy_runs import SEQ, VOCAB, merge_sections, toy_trainer
 from torch import nn
 
 from speedtronic import DataError, SpeedtronicConfig, SpeedtronicError, hookimpl, plugins
-from speedtronic.data import build_dataloader
-from speedtronic.metrics import MetricLogger
 from speedtronic.trainer import Trainer
 
-VOCAB = 16
-SEQ = 8
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors on a shared machine: extra intra-op threads only wait for each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-class Bigram(nn.Module):
-    """Logits of the next token from the current one: enough to learn the synthetic rule."""
+class Bigram(toy_runs.Bigram):
+    """The shared bigram, noting the train mode of each call and returning its loss in the
+    form ``output`` names."""
 
     def __init__(self, output: str = "dict") -> None:
         super().__init__()
-        self.vocab_size = VOCAB
-        self.max_seq_len = SEQ
-        self.table = nn.Embedding(VOCAB, VOCAB)
         self.output = output
         self.training_flags: list[bool] = []
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         self.training_flags.append(self.training)
-        return F.cross_entropy(self.table(input_ids).view(-1, VOCAB), labels.reshape(-1))
+        return super().loss(input_ids, labels)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
         loss = self.loss(input_ids, labels)
@@ -67,27 +53,17 @@ def make_config(tmp_path: Any, **sections: Any) -> SpeedtronicConfig:
         "checkpoint": {"interval": 0, "save_final": False},
         "logging": {"log_every": 1},
     }
-    for name, values in sections.items():
-        if isinstance(values, dict):
-            data.setdefault(name, {}).update(values)
-        else:
-            data[name] = values
-    return SpeedtronicConfig.from_dict(data)
+    return SpeedtronicConfig.from_dict(merge_sections(data, sections))
 
 
 def make_trainer(
-    model: nn.Module,
-    config: SpeedtronicConfig,
-    events: list | None = None,
-    data: Any = None,
-    optimizer: Any = None,
+    model: nn.Module, config: SpeedtronicConfig, events: list | None = None, **kwargs: Any
 ) -> Trainer:
-    if data is None:
-        data = build_dataloader(config, seq_len=SEQ, vocab_size=VOCAB)
+    """:func:`toy_trainer` whose only sink appends ``(event, payload)`` to ``events``."""
     hooks = []
     if events is not None:
         hooks.append(lambda event, payload: events.append((event, dict(payload))))
-    return Trainer(model, config, data=data, optimizer=optimizer, metric_logger=MetricLogger(hooks))
+    return toy_trainer(model, config, hooks, **kwargs)
 
 
 def step_losses(events: list) -> list[float]:
@@ -323,9 +299,7 @@ def test_train_end_hook_and_sinks_see_the_error(tmp_path, recorder):
         def close(self):
             closed.append(True)
 
-    config = make_config(tmp_path)
-    data = build_dataloader(config, seq_len=SEQ, vocab_size=VOCAB)
-    trainer = Trainer(Failing(), config, data=data, metric_logger=MetricLogger([Sink()]))
+    trainer = toy_trainer(Failing(), make_config(tmp_path), [Sink()])
     with pytest.raises(ValueError, match="broken batch"):
         trainer.fit()
     assert len(plugin.ended) == 1 and isinstance(plugin.ended[0], ValueError)
@@ -354,12 +328,12 @@ def test_compile_failure_falls_back_to_eager_with_one_warning(tmp_path, caplog):
     compiled_events: list = []
     make_trainer(eager, make_config(tmp_path), eager_events).fit()
     trainer = make_trainer(compiled, make_config(tmp_path, compile=COMPILE), compiled_events)
-    assert trainer._compiled
+    assert trainer._compiled_model is not None
     with caplog.at_level(logging.WARNING, logger="speedtronic"):
         result = trainer.fit()
     warnings = [r for r in caplog.records if "torch.compile failed" in r.getMessage()]
     assert len(warnings) == 1 and "Unsupported" in warnings[0].getMessage()
-    assert not trainer._compiled
+    assert trainer._compiled_model is None
     assert result.steps == 4
     assert step_losses(compiled_events) == pytest.approx(step_losses(eager_events))
     assert torch.allclose(compiled.table.weight, eager.table.weight)
@@ -386,8 +360,8 @@ def test_compile_success_stays_compiled(tmp_path):
         make_config(tmp_path, run={"max_steps": 2}, compile={"enabled": True, "backend": "eager"}),
     )
     trainer.fit()
-    assert trainer._compiled
-    assert type(trainer._forward_model).__name__ == "OptimizedModule"
+    assert trainer._compiled_model is not None
+    assert type(trainer._compiled_model).__name__ == "OptimizedModule"
 
 
 def test_compile_unavailable_trains_eagerly(tmp_path, monkeypatch, caplog):
@@ -397,7 +371,7 @@ def test_compile_unavailable_trains_eagerly(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(torch, "compile", unavailable)
     with caplog.at_level(logging.WARNING, logger="speedtronic"):
         trainer = make_trainer(Bigram(), make_config(tmp_path, compile={"enabled": True}))
-    assert not trainer._compiled
+    assert trainer._compiled_model is None
     assert any("no compiler here" in r.getMessage() for r in caplog.records)
     assert trainer.fit().steps == 4
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from speedtronic.combined_optimizer import CombinedOptimizer, reset_part_state
+from speedtronic.combined_optimizer import CombinedOptimizer, reset_optimizer_state
 
 # Floor of the kept fraction: a tensor where almost everything is masked gets at most this
 # much amplification of what is left.
@@ -133,7 +133,7 @@ class CautiousOptimizer(torch.optim.Optimizer):
 
     def reset_state(self) -> None:
         """Forget the base optimizer's per-parameter state."""
-        reset_part_state(self.base)
+        reset_optimizer_state(self.base)
 
     def state_dict(self) -> dict[str, Any]:
         """The base optimizer's state dict (the wrapper has no state)."""

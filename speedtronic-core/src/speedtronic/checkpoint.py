@@ -100,7 +100,7 @@ class CheckpointManager:
             ) from exc
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            final = self._write(name, step, json_tree=text, tensors=tensors)
+            final = self._write(name, step, state_json=text, tensors=tensors)
             atomic_write_text(
                 self.directory / POINTER,
                 json.dumps({"checkpoint": name, "step": step, "format": FORMAT_VERSION}) + "\n",
@@ -113,11 +113,11 @@ class CheckpointManager:
         log.debug("checkpoint %s written", final)
         return final
 
-    def _write(self, name: str, step: int, *, json_tree: str, tensors: dict[str, Any]) -> Path:
+    def _write(self, name: str, step: int, *, state_json: str, tensors: dict[str, Any]) -> Path:
         staging = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=self.directory))
         try:
             save_file(tensors, str(staging / TENSORS), metadata={"format": str(FORMAT_VERSION)})
-            (staging / STATE).write_text(json_tree, encoding="utf-8")
+            (staging / STATE).write_text(state_json, encoding="utf-8")
             # Hash (from the page cache) while the kernel flushes the same files to disk.
             with ThreadPoolExecutor(1, thread_name_prefix="fsync") as flusher:
                 flushed = [flusher.submit(fsync_file, staging / f) for f in (TENSORS, STATE)]

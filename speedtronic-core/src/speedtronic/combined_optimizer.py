@@ -63,8 +63,9 @@ class PartsState(MutableMapping):
             part.state.clear()
 
 
-def reset_part_state(optimizer: torch.optim.Optimizer) -> None:
-    """Forget ``optimizer``'s per-parameter state, through its ``reset_state`` if it has one."""
+def reset_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Forget per-parameter state (Adam moments, step counts, momentum buffers), through the
+    optimizer's ``reset_state`` if it has one."""
     reset = getattr(optimizer, "reset_state", None)
     if callable(reset):
         reset()
@@ -129,7 +130,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
     def reset_state(self) -> None:
         """Forget every part's per-parameter state (moments, momentum buffers, step counts)."""
         for part in self.optimizers.values():
-            reset_part_state(part)
+            reset_optimizer_state(part)
 
     def state_dict(self) -> dict[str, Any]:
         """``{"format": ..., "parts": {name: part.state_dict()}}``."""

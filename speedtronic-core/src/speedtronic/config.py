@@ -173,7 +173,6 @@ class OptimizerConfig(Section):
     cautious: bool = option(
         False, help="Cautious masking around the base optimizer (Liang et al., 2024)."
     )
-    # option() is dataclasses.field() with metadata, not a shared default (hence the noqa).
     muon: MuonConfig = option(default_factory=MuonConfig, help="Muon group settings.")
 
     def validate(self) -> None:
@@ -444,6 +443,11 @@ class SpeedtronicConfig:
     def output_dir(self) -> Path:
         """``run.output_dir`` as a path."""
         return Path(self.run.output_dir)
+
+    @property
+    def data_seed(self) -> int:
+        """The data stream's seed: ``data.seed``, or ``run.seed`` when that is unset."""
+        return self.data.seed if self.data.seed is not None else self.run.seed
 
     @property
     def checkpoint_dir(self) -> Path:

@@ -118,8 +118,7 @@ class SyntheticTokenStream(IndexedTokenStream):
         self.vocab_size = vocab_size
         self.seed = seed
         # Negative and huge seeds are fine: only the seed's value modulo 2**64 matters.
-        seed_key = _mix64(np.array([seed & _MASK64], dtype=np.uint64))[0]
-        self._seed_key = seed_key
+        self._seed_key = _mix64(np.array([seed & _MASK64], dtype=np.uint64))[0]
         self._positions = (np.arange(1, seq_len + 1, dtype=np.uint64) * _GOLDEN)[None, :]
 
     def windows(self, first: int, count: int) -> np.ndarray:
@@ -385,9 +384,7 @@ def build_dataloader(
     vocab = _within("vocab_size", data.vocab_size, vocab_size, "vocab_size")
     if vocab is None:
         raise DataError("data.vocab_size is not set and the model has no vocab_size")
-    stream_seed = (
-        seed if seed is not None else (data.seed if data.seed is not None else config.run.seed)
-    )
+    stream_seed = seed if seed is not None else config.data_seed
     return DataSource(
         lambda start: _loader(
             config, SyntheticTokenStream(vocab, seq_len, micro, stream_seed, start)
@@ -438,7 +435,9 @@ def _user_source(config: SpeedtronicConfig, dataset: Dataset | IterableDataset) 
 
         def iterate(start: int) -> Iterator[Any]:
             loader = DataLoader(dataset, batch_size=batch_size, **_loader_kwargs(config))
-            return _skip(_epochs(loader, f"the dataset {name} produced no batches"), start, micro)
+            return _skip(
+                repeat_epochs(loader, f"the dataset {name} produced no batches"), start, micro
+            )
 
         return DataSource(iterate, exact_resume=False, description=name)
 
@@ -448,7 +447,7 @@ def _user_source(config: SpeedtronicConfig, dataset: Dataset | IterableDataset) 
         raise DataError(f"the dataset {name} is neither iterable-style nor sized") from None
     if length == 0:
         raise DataError(f"the dataset {name} passed to build_dataloader is empty")
-    seed = data.seed if data.seed is not None else config.run.seed
+    seed = config.data_seed
 
     def order(start: int) -> Iterator[int]:
         # Epoch e's order depends only on (seed, e), so resuming at any sample is exact.
@@ -486,15 +485,24 @@ class _OrderSampler(Sampler[int]):
         return self.order(self.start)
 
 
-def _epochs(loader: Iterable[Any], empty_message: str) -> Iterator[Any]:
-    """Iterate ``loader`` again and again (one pass per epoch)."""
+def repeat_epochs(
+    data: Iterable[Any], empty_message: str = "the training data yielded no batches"
+) -> Iterator[Any]:
+    """Iterate ``data`` epoch after epoch when it can be iterated again (a list, a DataLoader);
+    a one-shot iterator (a generator) is iterated once. An empty epoch raises
+    ``DataError(empty_message)``."""
+    iterator = iter(data)
+    if iterator is data:
+        yield from iterator
+        return
     while True:
         empty = True
-        for batch in loader:
+        for batch in iterator:
             empty = False
             yield batch
         if empty:
             raise DataError(empty_message)
+        iterator = iter(data)
 
 
 def _nonempty(iterator: Iterator[Any], message: str) -> Iterator[Any]:
@@ -528,5 +536,6 @@ __all__ = [
     "build_dataloader",
     "byte_tokenizer",
     "check_text_file",
+    "repeat_epochs",
     "split_windows",
 ]

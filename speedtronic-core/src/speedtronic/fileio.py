@@ -40,22 +40,29 @@ def fsync_file(path: str | os.PathLike[str]) -> None:
 
 
 @contextlib.contextmanager
-def atomic_writer(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
-    """Open a temp file beside ``path``; on clean exit fsync it and rename it over ``path``."""
+def _replacing(path: str | os.PathLike[str]) -> Iterator[tuple[int, str]]:
+    """A temp file beside ``path`` as ``(fd, name)``: renamed over ``path`` on clean exit (the
+    caller has closed and fsynced it), removed on error."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as handle:
-            yield handle
-            handle.flush()
-            os.fsync(handle.fileno())
+        yield fd, tmp_name
         os.replace(tmp_name, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp_name)
         raise
     fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def atomic_writer(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
+    """Open a temp file beside ``path``; on clean exit fsync it and rename it over ``path``."""
+    with _replacing(path) as (fd, _), os.fdopen(fd, "wb") as handle:
+        yield handle
+        handle.flush()
+        os.fsync(handle.fileno())
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
@@ -72,19 +79,10 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
 def atomic_write_with(path: str | os.PathLike[str], write: Callable[[str], None]) -> None:
     """Let ``write(tmp_path)`` produce the file (for libraries that want a path), then fsync and
     rename it over ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+    with _replacing(path) as (fd, tmp_name):
+        os.close(fd)
         write(tmp_name)
         fsync_file(tmp_name)
-        os.replace(tmp_name, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp_name)
-        raise
-    fsync_dir(path.parent)
 
 
 def sha256_file(path: str | os.PathLike[str], chunk_size: int = 1 << 20) -> str:

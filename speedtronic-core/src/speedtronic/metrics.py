@@ -58,15 +58,15 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-class _AppendingFile:
-    """A text file opened for appending on first use and again after ``close()``, so one sink
-    can serve several ``fit`` calls."""
+class _AppendingFileSink:
+    """A sink writing lines to a text file, opened for appending on first use and again after
+    ``close()``, so one sink can serve several ``fit`` calls."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self._handle: TextIO | None = None
 
-    def write_line(self, line: str) -> None:
+    def _write_line(self, line: str) -> None:
         if self._handle is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._handle = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - see close()
@@ -75,44 +75,29 @@ class _AppendingFile:
         self._handle.flush()
 
     def close(self) -> None:
+        """Close the file (it reopens if another event arrives)."""
         if self._handle is not None:
             self._handle.close()
             self._handle = None
 
 
-class TextFileSink:
+class TextFileSink(_AppendingFileSink):
     """Appends ``<time> <event> key=value ...`` lines to a file (``logging.file``)."""
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self._file = _AppendingFile(path)
-        self.path = self._file.path
 
     def on_event(self, event: str, payload: dict[str, Any]) -> None:
         """Write one line."""
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
-        self._file.write_line(f"{stamp} {event} {format_payload(payload)}")
-
-    def close(self) -> None:
-        """Close the file (it reopens if another event arrives)."""
-        self._file.close()
+        self._write_line(f"{stamp} {event} {format_payload(payload)}")
 
 
-class JsonlSink:
+class JsonlSink(_AppendingFileSink):
     """Appends one JSON object per event, ``{"event", "time", **payload}``
     (``logging.json_file``)."""
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self._file = _AppendingFile(path)
-        self.path = self._file.path
 
     def on_event(self, event: str, payload: dict[str, Any]) -> None:
         """Write one JSON line."""
         record = json_safe({"event": event, "time": time.time(), **payload})
-        self._file.write_line(json.dumps(record, default=str, allow_nan=False))
-
-    def close(self) -> None:
-        """Close the file (it reopens if another event arrives)."""
-        self._file.close()
+        self._write_line(json.dumps(record, default=str, allow_nan=False))
 
 
 class ConsoleSink:

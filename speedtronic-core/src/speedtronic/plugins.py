@@ -193,12 +193,6 @@ def unregister(name: str) -> None:
     _plugin_distributions.pop(name, None)
 
 
-def failed_plugins() -> list[FailedPlugin]:
-    """Entry points that failed to load, in discovery order."""
-    load_plugins()
-    return list(_failures.values())
-
-
 def missing_provider_hint(key: str) -> str:
     """A parenthesised sentence saying which distribution would provide ``key``, or ``""``.
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from speedtronic import config as config_module
 from speedtronic import hookspecs
-from speedtronic.schema import describe_type, field_hints
+from speedtronic.schema import BOUNDS, describe_type, field_hints
 
 CONFIG_COMMAND = "python -m speedtronic.reference config > docs/configuration.md"
 HOOKS_COMMAND = "python -m speedtronic.reference hooks > docs/hooks.md"
@@ -141,11 +141,7 @@ def _section_tables(path: str, cls: type, level: int = 3) -> list[str]:
 def _field_description(field: dataclasses.Field) -> str:
     meta = field.metadata
     text = _markdown(meta.get("help", ""))
-    bounds = [
-        f"{symbol} {meta[key]:g}"
-        for key, symbol in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
-        if meta.get(key) is not None
-    ]
+    bounds = [f"{symbol} {meta[key]:g}" for key, _, symbol in BOUNDS if meta.get(key) is not None]
     if bounds:
         text += f" Must be {' and '.join(bounds)}."
     if meta.get("secret"):
@@ -210,11 +206,9 @@ def render_hook_reference() -> str:
 
 
 def _hookspecs() -> list[tuple[str, Any]]:
-    return [
-        (name, value)
-        for name, value in vars(hookspecs).items()
-        if inspect.isfunction(value) and hasattr(value, "speedtronic_spec")
-    ]
+    from speedtronic.plugins import hook_names
+
+    return [(name, getattr(hookspecs, name)) for name in hook_names()]
 
 
 def _is_firstresult(fn: Any) -> bool:

@@ -82,7 +82,7 @@ def build_runtime(
         warn_shape_advice(model, config.model.params)
     else:
         warn_shape_advice(model)
-    seed = config.data.seed if config.data.seed is not None else config.run.seed
+    seed = config.data_seed
     adjusted = pm.hook.data_seed(config=config, seed=seed)
     data = build_dataloader(
         config,

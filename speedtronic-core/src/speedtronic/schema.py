@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import operator
 import types
 import typing
 from collections.abc import Mapping
@@ -22,6 +23,13 @@ from speedtronic.errors import ConfigError
 
 _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}
+# The bounds option() accepts: (keyword, test, symbol), in the order they are checked and shown.
+BOUNDS = (
+    ("ge", operator.ge, ">="),
+    ("gt", operator.gt, ">"),
+    ("le", operator.le, "<="),
+    ("lt", operator.lt, "<"),
+)
 
 
 def option(
@@ -54,7 +62,7 @@ class Section:
     """
 
     def __post_init__(self) -> None:
-        hints = _type_hints(type(self))
+        hints = field_hints(type(self))
         for field in dataclasses.fields(self):  # type: ignore[arg-type]
             value = getattr(self, field.name)
             try:
@@ -204,21 +212,15 @@ def _to_float(value: Any) -> float:
 def _check_bounds(field: dataclasses.Field, value: Any) -> None:
     if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
         return
-    meta = field.metadata
-    checks = (
-        ("ge", lambda b: value >= b, ">="),
-        ("gt", lambda b: value > b, ">"),
-        ("le", lambda b: value <= b, "<="),
-        ("lt", lambda b: value < b, "<"),
-    )
-    for key, ok, symbol in checks:
-        bound = meta.get(key)
-        if bound is not None and not ok(bound):
+    for key, ok, symbol in BOUNDS:
+        bound = field.metadata.get(key)
+        if bound is not None and not ok(value, bound):
             raise ConfigError(f"must be {symbol} {bound:g} (got {value!r})", field.name)
 
 
 @functools.cache
-def _type_hints(cls: type) -> dict[str, Any]:
+def field_hints(cls: type) -> dict[str, Any]:
+    """Resolved type annotations of a section dataclass."""
     return typing.get_type_hints(cls)
 
 
@@ -257,8 +259,3 @@ def describe_type(annotation: Any) -> str:
     if dataclasses.is_dataclass(annotation):
         return "section"
     return getattr(annotation, "__name__", str(annotation))
-
-
-def field_hints(cls: type) -> dict[str, Any]:
-    """Resolved type annotations of a section dataclass."""
-    return _type_hints(cls)

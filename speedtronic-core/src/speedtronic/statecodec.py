@@ -83,7 +83,7 @@ def encode(tree: Any) -> tuple[Any, dict[str, torch.Tensor]]:
         if data.dtype not in _NATIVE_DTYPES:
             ref["dtype"] = str(data.dtype).removeprefix("torch.")
             ref["shape"] = list(data.shape)
-            data = data.contiguous().reshape(-1).view(torch.uint8)
+            data = data.reshape(-1).view(torch.uint8)
         tensors[name] = data
         if view is not None:
             by_view[view] = ref

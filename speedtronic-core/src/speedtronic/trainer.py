@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,9 @@ import torch
 from torch import nn
 
 from speedtronic.checkpoint import CheckpointManager
+from speedtronic.combined_optimizer import reset_optimizer_state
 from speedtronic.config import SpeedtronicConfig
-from speedtronic.data import DataSource
+from speedtronic.data import DataSource, repeat_epochs
 from speedtronic.errors import CheckpointError, DataError, SpeedtronicError
 from speedtronic.metrics import MetricLogger
 from speedtronic.precision import Precision, resolve_device, resolve_precision
@@ -129,23 +131,6 @@ def process_memory_mb(device: torch.device) -> float:
         return peak / (2**20 if sys.platform == "darwin" else 2**10)
 
 
-def repeat_epochs(data: Iterable[Any]) -> Iterator[Any]:
-    """Iterate ``data`` epoch after epoch when it can be iterated again (a list, a DataLoader);
-    a one-shot iterator (a generator) is iterated once."""
-    iterator = iter(data)
-    if iterator is data:
-        yield from iterator
-        return
-    while True:
-        empty = True
-        for batch in iterator:
-            empty = False
-            yield batch
-        if empty:
-            raise DataError("the training data yielded no batches")
-        iterator = iter(data)
-
-
 # GradScaler halves its scale on every overflow; after this many skipped attempts in a row the
 # loss itself is not finite and retrying cannot help.
 MAX_CONSECUTIVE_SKIPS = 64
@@ -171,15 +156,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def reset_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Forget per-parameter state (Adam moments, step counts, momentum buffers)."""
-    reset = getattr(optimizer, "reset_state", None)
-    if callable(reset):
-        reset()
-    else:
-        optimizer.state.clear()
 
 
 class Trainer:
@@ -221,7 +197,7 @@ class Trainer:
             else build_scheduler(self.optimizer, config.scheduler, config.run.max_steps)
         )
         self.plugin_manager = plugin_manager if plugin_manager is not None else get_plugin_manager()
-        self.metrics = metric_logger or MetricLogger(plugin_manager=self.plugin_manager)
+        self.metrics = metric_logger or MetricLogger()
         if self.metrics.plugin_manager is None:
             # Plugins' on_metric must see every event, also with a caller-built logger.
             self.metrics.plugin_manager = self.plugin_manager
@@ -238,8 +214,8 @@ class Trainer:
         self.weights_replaced = 0
         self.resumed_from: int | None = None
         self._resumed_rng: dict[str, Any] | None = None
-        self._forward_model: Any = self.model
-        self._compiled = False
+        # The torch.compile'd model while compiling works; None means eager.
+        self._compiled_model: Any = None
         self._consecutive_skips = 0
         self._configure_model()
 
@@ -258,20 +234,15 @@ class Trainer:
         if self.config.compile.enabled:
             options = self.config.compile
             try:
-                self._forward_model = torch.compile(
+                self._compiled_model = torch.compile(
                     self.model,
                     backend=options.backend,
                     mode=None if options.mode == "default" else options.mode,
                     fullgraph=options.fullgraph,
                     dynamic=options.dynamic,
                 )
-                self._compiled = True
             except Exception as exc:  # torch.compile itself is unavailable here
                 log.warning("torch.compile is unavailable (%s); training eagerly", exc)
-
-    def request_optimizer_reset(self) -> None:
-        """Clear the optimizer's per-parameter state now (used by plugins)."""
-        reset_optimizer_state(self.optimizer)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -396,8 +367,6 @@ class Trainer:
         batches = repeat_epochs(self.data)
         if self.samples_seen:
             log.warning("resuming a plain iterable: skipping consumed batches is the only way")
-            from itertools import islice
-
             return islice(batches, self.step * self.accumulation_steps, None)
         return batches
 
@@ -427,10 +396,10 @@ class Trainer:
         return losses[0].float()
 
     def _step_loss(self, batches: list[Any]) -> torch.Tensor:
-        if not self._compiled:
+        if self._compiled_model is None:
             return self._forward_backward(batches, self.model)
         try:
-            return self._forward_backward(batches, self._forward_model)
+            return self._forward_backward(batches, self._compiled_model)
         except Exception as exc:
             # Keep only a description: the exception's traceback pins the failed attempt's
             # activations in memory.
@@ -442,8 +411,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss = self._forward_backward(batches, self.model)
         log.warning("torch.compile failed (%s); continuing eagerly", failure)
-        self._compiled = False
-        self._forward_model = self.model
+        self._compiled_model = None
         return loss
 
     def _optimizer_step(self, want_norm: bool = True) -> tuple[bool, torch.Tensor | None]:
@@ -506,7 +474,7 @@ class Trainer:
                     "device": self.device.type,
                     "precision": self.precision.mode,
                     "accumulation_steps": self.accumulation_steps,
-                    "compiled": self._compiled,
+                    "compiled": self._compiled_model is not None,
                     "config": self.config.to_dict(redact=True),
                 },
             )
@@ -550,7 +518,6 @@ class Trainer:
 
     def _loop(self, max_steps: int) -> float | None:
         log_every = self.config.logging.log_every
-        interval = self.config.checkpoint.interval
         batches = self._batches()
         self._restore_resumed_rng()
         window_loss = torch.zeros((), device=self.device)
@@ -613,7 +580,7 @@ class Trainer:
                 window_loss = torch.zeros((), device=self.device)
                 window_steps = window_samples = window_tokens = 0
                 window_start = time.perf_counter()
-            if interval and self.step % interval == 0:
+            if self._saved_at(self.step):
                 saving_since = time.perf_counter()
                 self.save_checkpoint()
                 # Checkpoint time is not training time: keep it out of the step rates.

@@ -39,7 +39,7 @@ def load() -> Any:
 
 def default_log_dir(config: SpeedtronicConfig) -> Path:
     """``<run.output_dir>/tensorboard``."""
-    return Path(config.run.output_dir) / "tensorboard"
+    return config.output_dir / "tensorboard"
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, bool | int | float | str]:

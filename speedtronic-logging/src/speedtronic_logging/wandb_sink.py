@@ -85,7 +85,7 @@ class WandbBackend:
         # finishing it to them.
         self.owns_run = wandb.run is None
         if self.owns_run:
-            directory = Path(settings.dir) if settings.dir else Path(config.run.output_dir)
+            directory = Path(settings.dir) if settings.dir else config.output_dir
             directory.mkdir(parents=True, exist_ok=True)
             secrets = secret_values(config)
             api_key = os.environ.get("WANDB_API_KEY")
