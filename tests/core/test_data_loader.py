@@ -8,22 +8,11 @@ from typing import Any
 
 import pytest
 import torch
+from core.toy_runs import data_config
 from torch.utils.data import Dataset, IterableDataset
 
 from speedtronic import DataError, SpeedtronicConfig, data
 from speedtronic.data import build_dataloader
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def config_for(**section: Any) -> SpeedtronicConfig:
-    return SpeedtronicConfig.from_dict({"run": {"device": "cpu", "seed": 1}, "data": section})
 
 
 class Numbers(Dataset):
@@ -52,13 +41,13 @@ def indices(batches) -> list[int]:
 
 
 def test_map_style_dataset_cycles_in_order_without_shuffle():
-    source = build_dataloader(config_for(micro_batch_size=4), dataset=Numbers(10))
+    source = build_dataloader(data_config(micro_batch_size=4), dataset=Numbers(10))
     assert indices(islice(source.iterate(0), 5)) == [*range(10), *range(10)]
     assert source.exact_resume
 
 
 def test_map_style_shuffle_is_a_seeded_permutation_per_epoch_and_resumes_exactly():
-    config = config_for(micro_batch_size=5, shuffle=True)
+    config = data_config(micro_batch_size=5, shuffle=True)
     source = build_dataloader(config, dataset=Numbers(20))
     first = indices(islice(source.iterate(0), 12))  # three epochs
     epochs = [first[0:20], first[20:40], first[40:60]]
@@ -69,8 +58,18 @@ def test_map_style_shuffle_is_a_seeded_permutation_per_epoch_and_resumes_exactly
     assert indices(islice(source.iterate(25), 3)) == first[25:40]  # resume mid-epoch
 
 
+def test_map_style_shuffle_follows_the_seed_argument():
+    # The runtime passes the data_seed hook's answer (DiLoCo: per node) as `seed`.
+    config = data_config(micro_batch_size=5, shuffle=True)
+    default = indices(islice(build_dataloader(config, dataset=Numbers(20)).iterate(0), 4))
+    same = build_dataloader(config, dataset=Numbers(20), seed=config.data_seed)
+    other = build_dataloader(config, dataset=Numbers(20), seed=config.data_seed + 1)
+    assert indices(islice(same.iterate(0), 4)) == default
+    assert indices(islice(other.iterate(0), 4)) != default
+
+
 def test_iterable_dataset_is_collated_repeated_and_ignores_shuffle(caplog):
-    config = config_for(micro_batch_size=3, shuffle=True)
+    config = data_config(micro_batch_size=3, shuffle=True)
     with caplog.at_level(logging.WARNING, logger="speedtronic.data"):
         source = build_dataloader(config, dataset=Counting(6))
         batches = list(islice(source.iterate(0), 4))
@@ -88,7 +87,7 @@ def test_loader_options_are_honoured(monkeypatch):
             super().__init__(dataset, **kwargs)
 
     monkeypatch.setattr(data, "DataLoader", Recording)
-    config = config_for(micro_batch_size=2, num_workers=2, prefetch_factor=3, pin_memory=True)
+    config = data_config(micro_batch_size=2, num_workers=2, prefetch_factor=3, pin_memory=True)
     with pytest.warns(UserWarning, match="pin_memory"):  # no accelerator on a CPU machine
         next(build_dataloader(config, dataset=Numbers(8)).iterate(0))
         next(build_dataloader(config, seq_len=4, vocab_size=8).iterate(0))
@@ -98,13 +97,13 @@ def test_loader_options_are_honoured(monkeypatch):
         assert kwargs["pin_memory"] is True
     assert made[0]["batch_size"] == 2 and made[1]["batch_size"] is None
     made.clear()
-    next(build_dataloader(config_for(micro_batch_size=2), dataset=Numbers(8)).iterate(0))
+    next(build_dataloader(data_config(micro_batch_size=2), dataset=Numbers(8)).iterate(0))
     assert made[0]["num_workers"] == 0 and "prefetch_factor" not in made[0]
 
 
 # ------------------------------------------------------------------ errors
 def text_config(path) -> SpeedtronicConfig:
-    return config_for(micro_batch_size=2, text_path=str(path))
+    return data_config(micro_batch_size=2, text_path=str(path))
 
 
 def test_missing_directory_and_empty_text_paths_name_the_path(tmp_path):
@@ -150,11 +149,11 @@ def test_data_limits_must_fit_the_model(tmp_path):
     with pytest.raises(DataError, match="at least 256"):
         build_dataloader(text_config(text), seq_len=8, vocab_size=100)
     with pytest.raises(DataError, match=r"data\.seq_len is 32 but the model's max_seq_len is 16"):
-        build_dataloader(config_for(seq_len=32), seq_len=16, vocab_size=10)
+        build_dataloader(data_config(seq_len=32), seq_len=16, vocab_size=10)
     with pytest.raises(DataError, match=r"data\.vocab_size is 64"):
-        build_dataloader(config_for(vocab_size=64), seq_len=16, vocab_size=10)
+        build_dataloader(data_config(vocab_size=64), seq_len=16, vocab_size=10)
     source = build_dataloader(
-        config_for(micro_batch_size=2, seq_len=4, vocab_size=5), seq_len=16, vocab_size=10
+        data_config(micro_batch_size=2, seq_len=4, vocab_size=5), seq_len=16, vocab_size=10
     )
     batch = next(source.iterate(0))
     assert batch["input_ids"].shape == (2, 4) and batch["input_ids"].max() < 5
@@ -162,4 +161,4 @@ def test_data_limits_must_fit_the_model(tmp_path):
 
 def test_empty_map_dataset_is_an_error():
     with pytest.raises(DataError, match="empty"):
-        build_dataloader(config_for(), dataset=Numbers(0))
+        build_dataloader(data_config(), dataset=Numbers(0))

@@ -9,32 +9,19 @@ import string
 from collections import Counter
 from itertools import islice, pairwise
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from core.toy_runs import data_config
 from torch.utils.data import get_worker_info
 
-from speedtronic import SpeedtronicConfig
 from speedtronic.data import (
     ByteTextStream,
     SyntheticTokenStream,
     TokenizedTextStream,
     build_dataloader,
 )
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def config_for(**data: Any) -> SpeedtronicConfig:
-    return SpeedtronicConfig.from_dict({"run": {"device": "cpu"}, "data": data})
 
 
 def take(iterator, count: int) -> list[dict[str, torch.Tensor]]:
@@ -69,9 +56,9 @@ def test_synthetic_samples_depend_only_on_seed_and_index():
 
 
 def test_synthetic_source_is_identical_with_workers_and_on_resume():
-    single = build_dataloader(config_for(micro_batch_size=4), seq_len=8, vocab_size=32, seed=5)
+    single = build_dataloader(data_config(micro_batch_size=4), seq_len=8, vocab_size=32, seed=5)
     workers = build_dataloader(
-        config_for(micro_batch_size=4, num_workers=2), seq_len=8, vocab_size=32, seed=5
+        data_config(micro_batch_size=4, num_workers=2), seq_len=8, vocab_size=32, seed=5
     )
     expected = take(single.iterate(0), 6)
     assert rows(take(workers.iterate(0), 6)) == rows(expected)
@@ -160,7 +147,7 @@ def test_byte_stream_workers_read_only_their_own_blocks(text_file, tmp_path):
     assert stream.num_blocks > 4 * micro * batches  # no wrap-around within this test
 
     single = rows(take(iter(stream), batches))
-    two = build_dataloader(config_for(micro_batch_size=micro, num_workers=2), dataset=stream)
+    two = build_dataloader(data_config(micro_batch_size=micro, num_workers=2), dataset=stream)
     assert rows(take(two.iterate(0), batches)) == single  # same order as one process
 
     reads = read_ranges(log_dir)
@@ -233,7 +220,7 @@ def test_tokenized_workers_read_only_their_own_byte_ranges(tmp_path, text_file, 
     expected = multiset(
         TokenizedTextStream(text_file, 8, 2, char_tokenizer, chunk_bytes=chunk).blocks(0, 1)
     )
-    source = build_dataloader(config_for(micro_batch_size=2, num_workers=2), dataset=stream)
+    source = build_dataloader(data_config(micro_batch_size=2, num_workers=2), dataset=stream)
     seen: Counter = Counter()
     for batch in islice(source.iterate(0), 4 * sum(expected.values())):
         windows = torch.cat([batch["input_ids"], batch["labels"][:, -1:]], dim=1)
@@ -266,7 +253,7 @@ def test_tokenizer_may_return_a_mapping_or_a_tensor(text_file):
         return torch.tensor([ord(c) % 50 for c in text])
 
     for tokenizer in (mapping, tensor):
-        config = config_for(micro_batch_size=3, text_path=str(text_file))
+        config = data_config(micro_batch_size=3, text_path=str(text_file))
         source = build_dataloader(config, tokenizer=tokenizer, seq_len=10, vocab_size=64)
         batch = next(source.iterate(0))
         assert batch["input_ids"].shape == batch["labels"].shape == (3, 10)

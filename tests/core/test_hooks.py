@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+from core.toy_runs import Bigram, merge_sections
 from torch import nn
-from torch.nn import functional as F
 
 import speedtronic
 from speedtronic import cli, hookimpl, hookspecs, plugins
@@ -27,21 +27,6 @@ from speedtronic.schema import Section, option
 
 DOCS = Path(__file__).parents[2] / "docs"
 TINY = "core_hooks_tiny"
-
-
-class TinyLM(nn.Module):
-    """A bigram model: small enough that a run of a few steps takes milliseconds."""
-
-    def __init__(self, vocab_size: int = 16, max_seq_len: int = 8) -> None:
-        super().__init__()
-        self.vocab_size = vocab_size
-        self.max_seq_len = max_seq_len
-        self.embed = nn.Embedding(vocab_size, 8)
-        self.head = nn.Linear(8, vocab_size)
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = self.head(self.embed(input_ids))
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
 @dataclass
@@ -61,9 +46,7 @@ def tiny_config(output_dir: Path, **sections: Any) -> SpeedtronicConfig:
         "checkpoint": {"interval": 2, "keep_last": 5},
         "logging": {"log_every": 1, "progress": False},
     }
-    for name, values in sections.items():
-        data[name] = {**data.get(name, {}), **values}
-    return SpeedtronicConfig.from_dict(data)
+    return SpeedtronicConfig.from_dict(merge_sections(data, sections))
 
 
 Register = Callable[[Any, str], str]
@@ -71,8 +54,8 @@ Register = Callable[[Any, str], str]
 
 @pytest.fixture(scope="module")
 def tiny_model() -> Iterator[str]:
-    """The tiny model, registered in-process with ``register_model``."""
-    register_model(TINY, TinyLM)
+    """The shared bigram model, registered in-process with ``register_model``."""
+    register_model(TINY, Bigram)
     yield TINY
     unregister_model(TINY)
 
@@ -343,7 +326,7 @@ def test_hook_build_model(register: Register) -> None:
     model = speedtronic.build_model("core_hooks_linear", width=3)
     assert isinstance(model, nn.Linear) and model.in_features == 3
     # Names the plugin does not know fall through to the next plugin (the registry here).
-    assert isinstance(speedtronic.build_model(TINY), TinyLM)
+    assert isinstance(speedtronic.build_model(TINY), Bigram)
     assert first.asked == ["core_hooks_linear", TINY]
     # First result: the most recently registered answer wins and stops the call.
     register(AlsoBuilds(), "core-test-also-builds")

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -28,15 +27,6 @@ HIDDEN = [
     for i in range(2)
     for name in ("attn.qkv", "attn.out", "mlp.gate_up", "mlp.down")
 ]
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """Tiny models run fastest on one thread, and a busy shared machine disturbs it least."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def make_model(seed: int = 0) -> ReferenceTransformer:

@@ -3,33 +3,23 @@ the runtime, checkpoints on disk and gradient accumulation."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from core import toy_runs
 
 from speedtronic import hookimpl
 from speedtronic.cautious import CautiousOptimizer
 from speedtronic.combined_optimizer import CombinedOptimizer
 from speedtronic.plugins import register, unregister
-from speedtronic.runtime import build_runtime
 
 OPTIONS = {
     "muon": {"name": "muon"},
     "cautious": {"name": "adamw", "cautious": True},
     "muon+cautious": {"name": "muon", "cautious": True},
 }
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """Tiny models run fastest on one thread, and a busy shared machine disturbs it least."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def config(output: Path, max_steps: int, optimizer: dict[str, Any], **extra: Any) -> dict:
@@ -60,15 +50,9 @@ def config(output: Path, max_steps: int, optimizer: dict[str, Any], **extra: Any
 
 
 def train(cfg: dict) -> tuple[dict[int, float], Any]:
-    losses: dict[int, float] = {}
-
-    def hook(event: str, payload: dict) -> None:
-        if event == "step":
-            losses[payload["step"]] = payload["loss"]
-
-    runtime = build_runtime(cfg, hooks=[hook], console=False)
-    runtime.trainer.fit()
-    return losses, runtime.trainer
+    """The per-step losses and the trainer of one run of ``cfg``."""
+    _, recorder, trainer = toy_runs.train(cfg)
+    return recorder.losses, trainer
 
 
 @pytest.mark.parametrize("option", list(OPTIONS))

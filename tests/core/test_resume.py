@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import logging
@@ -11,73 +10,21 @@ from typing import Any
 
 import pytest
 import torch
+from core.toy_runs import merge_sections, tiny_transformer_run, train
 from torch.utils.data import Dataset
 
 from speedtronic import hookimpl, plugins
 from speedtronic.errors import CheckpointError
-from speedtronic.runtime import build_runtime
 from speedtronic.schema import Section, option
-from speedtronic.trainer import TrainResult
 
 TOL = 1e-6
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Any:
-    """Tiny models run fastest single-threaded, and much faster on a shared, busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def make_config(tmp_path: Path, **sections: dict[str, Any]) -> dict[str, Any]:
-    """A tiny fp32 CPU run whose scheduler horizon does not depend on run.max_steps."""
-    config: dict[str, Any] = {
-        "run": {"seed": 0, "device": "cpu", "max_steps": 16, "output_dir": str(tmp_path / "run")},
-        "model": {
-            "name": "reference_transformer",
-            "vocab_size": 256,
-            "max_seq_len": 16,
-            "n_layer": 1,
-            "n_head": 2,
-            "n_kv_head": 1,
-            "d_model": 32,
-            "dropout": 0.1,
-        },
-        "data": {"micro_batch_size": 2, "target_batch_size": 4, "num_workers": 0},
-        "optimizer": {"lr": 3e-3},
-        "scheduler": {"warmup_steps": 2, "total_steps": 16},
-        "precision": {"mode": "fp32"},
-        "checkpoint": {"interval": 4},
-        "logging": {"log_every": 1, "progress": False},
-    }
-    for name, values in sections.items():
-        config.setdefault(name, {}).update(values)
-    return config
-
-
-class Recorder:
-    """A metric hook collecting events; ``losses`` maps step to loss."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[str, dict[str, Any]]] = []
-
-    def __call__(self, event: str, payload: dict[str, Any]) -> None:
-        self.events.append((event, dict(payload)))
-
-    @property
-    def losses(self) -> dict[int, float]:
-        return {p["step"]: p["loss"] for e, p in self.events if e == "step"}
-
-    def named(self, event: str) -> list[dict[str, Any]]:
-        return [p for e, p in self.events if e == event]
-
-
-def train(config: dict[str, Any], **kwargs: Any) -> tuple[TrainResult, Recorder, Any]:
-    recorder = Recorder()
-    runtime = build_runtime(copy.deepcopy(config), hooks=[recorder], console=False, **kwargs)
-    return runtime.trainer.fit(), recorder, runtime.trainer
+    """The shared tiny run under ``tmp_path``, with a scheduler horizon that does not depend on
+    run.max_steps."""
+    config = tiny_transformer_run(tmp_path / "run", scheduler={"total_steps": 16})
+    return merge_sections(config, sections)
 
 
 def assert_same_losses(straight: dict[int, float], resumed: dict[int, float]) -> None:

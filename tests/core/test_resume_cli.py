@@ -6,10 +6,8 @@ that every kill left a loadable checkpoint and that resuming is exact.
 
 from __future__ import annotations
 
-import copy
 import itertools
 import json
-import os
 import random
 import signal
 import subprocess
@@ -20,10 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import yaml
-
-from speedtronic.runtime import build_runtime
+from core.plugin_fixtures import plugin_env, run_cli
+from core.toy_runs import tiny_transformer_run, train
 
 MAX_STEPS = 24
 TOL = 1e-6
@@ -31,48 +28,27 @@ pytestmark = pytest.mark.slow
 
 
 def run_config(output_dir: Path) -> dict[str, Any]:
-    return {
-        "run": {"seed": 0, "device": "cpu", "max_steps": MAX_STEPS, "output_dir": str(output_dir)},
-        "model": {
-            "name": "reference_transformer",
-            "vocab_size": 256,
-            "max_seq_len": 16,
-            "n_layer": 1,
-            "n_head": 2,
-            "n_kv_head": 1,
-            "d_model": 32,
-            "dropout": 0.1,
-        },
-        "data": {"micro_batch_size": 2, "target_batch_size": 4, "num_workers": 0},
-        "optimizer": {"lr": 3e-3},
-        "scheduler": {"warmup_steps": 2},
-        "precision": {"mode": "fp32"},
-        "checkpoint": {"interval": 1, "keep_last": 2},
-        "logging": {"log_every": 1, "progress": False},
-    }
+    return tiny_transformer_run(
+        output_dir, run={"max_steps": MAX_STEPS}, checkpoint={"interval": 1, "keep_last": 2}
+    )
+
+
+def child_env() -> dict[str, str]:
+    """The CLI children load only the reference model and, like this process, train on one
+    intra-op thread whatever the suite was started with: their losses must match the
+    in-process straight run within TOL."""
+    return plugin_env(load="reference_transformer", OMP_NUM_THREADS="1")
 
 
 def straight_losses(tmp_path: Path) -> dict[int, float]:
-    losses: dict[int, float] = {}
-
-    def hook(event: str, payload: dict[str, Any]) -> None:
-        if event == "step":
-            losses[payload["step"]] = payload["loss"]
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        config = run_config(tmp_path / "straight")
-        config["checkpoint"]["interval"] = 0
-        build_runtime(copy.deepcopy(config), hooks=[hook], console=False).trainer.fit()
-    finally:
-        torch.set_num_threads(threads)
-    assert set(losses) == set(range(1, MAX_STEPS + 1))
-    return losses
+    config = run_config(tmp_path / "straight")
+    config["checkpoint"]["interval"] = 0
+    _, recorder, _ = train(config)
+    assert set(recorder.losses) == set(range(1, MAX_STEPS + 1))
+    return recorder.losses
 
 
-def launch(config_file: Path, jsonl: Path, *extra: str) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", SPEEDTRONIC_LOAD_PLUGINS="reference_transformer")
+def launch(config_file: Path, jsonl: Path) -> subprocess.Popen[bytes]:
     command = [
         sys.executable,
         "-m",
@@ -83,11 +59,10 @@ def launch(config_file: Path, jsonl: Path, *extra: str) -> subprocess.Popen[byte
         "--resume",
         "--set",
         f"logging.json_file={jsonl}",
-        *extra,
     ]
     log = open(jsonl.with_suffix(".out"), "wb")  # noqa: SIM115 - closed when the child ends
     try:
-        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=child_env())
     finally:
         log.close()
 
@@ -183,32 +158,16 @@ def test_cli_finished_run_and_unusable_checkpoints(tmp_path: Path) -> None:
     config["run"]["max_steps"] = 3
     config_file = tmp_path / "run.yaml"
     config_file.write_text(yaml.safe_dump(config))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        build_runtime(copy.deepcopy(config), console=False).trainer.fit()
-    finally:
-        torch.set_num_threads(threads)
+    train(config)
 
-    finished = subprocess.run(
-        [sys.executable, "-m", "speedtronic", "train", "--config", str(config_file), "--resume"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=dict(os.environ, OMP_NUM_THREADS="1", SPEEDTRONIC_LOAD_PLUGINS="reference_transformer"),
-    )
+    resume = ("train", "--config", str(config_file), "--resume")
+    finished = run_cli(*resume, env=child_env(), timeout=120)
     assert finished.returncode == 0, finished.stderr
     assert "already finished" in finished.stdout + finished.stderr
 
     for path in (tmp_path / "run" / "checkpoints").glob("step_*"):
         (path / "tensors.safetensors").write_bytes(b"\x00" * 16)
-    broken = subprocess.run(
-        [sys.executable, "-m", "speedtronic", "train", "--config", str(config_file), "--resume"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=dict(os.environ, OMP_NUM_THREADS="1", SPEEDTRONIC_LOAD_PLUGINS="reference_transformer"),
-    )
+    broken = run_cli(*resume, env=child_env(), timeout=120)
     assert broken.returncode == 2
     assert "Traceback" not in broken.stderr
     last = broken.stderr.strip().splitlines()[-1]

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
+from core.toy_runs import Bigram, ClosingSink
 from torch.utils.data import Dataset
 
 from speedtronic import SpeedtronicConfig, SpeedtronicError, hookimpl, plugins
@@ -16,14 +15,14 @@ from speedtronic.runtime import build_runtime, train_from_config
 from speedtronic.trainer import TrainResult
 
 SMOKE = Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml"
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+TINY_MODEL = {
+    "name": "reference_transformer",
+    "vocab_size": 32,
+    "max_seq_len": 8,
+    "n_layer": 1,
+    "n_head": 2,
+    "d_model": 16,
+}
 
 
 def test_the_smoke_config_learns(tmp_path):
@@ -53,14 +52,7 @@ def test_the_smoke_config_learns(tmp_path):
 def test_build_runtime_wires_the_configured_pieces(tmp_path):
     config = {
         "run": {"device": "cpu", "max_steps": 3, "output_dir": str(tmp_path / "out")},
-        "model": {
-            "name": "reference_transformer",
-            "vocab_size": 32,
-            "max_seq_len": 8,
-            "n_layer": 1,
-            "n_head": 2,
-            "d_model": 16,
-        },
+        "model": TINY_MODEL,
         "data": {"micro_batch_size": 2},
         "precision": {"mode": "auto"},
         "checkpoint": {"save_final": False},
@@ -100,16 +92,9 @@ class Pairs(Dataset):
         return inputs, (inputs + 1) % 10
 
 
-class Counter(nn.Module):
-    vocab_size = 10
-    max_seq_len = 6
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.table = nn.Embedding(10, 10)
-
-    def forward(self, input_ids, labels):  # tuple batches arrive positionally, dicts by name
-        return F.cross_entropy(self.table(input_ids).view(-1, 10), labels.reshape(-1))
+def digits_bigram() -> Bigram:
+    """A bigram over the ten digits of :class:`Pairs` and the digits text."""
+    return Bigram(vocab_size=10, max_seq_len=6)
 
 
 def test_user_model_dataset_and_tokenizer_are_passed_through(tmp_path):
@@ -120,7 +105,7 @@ def test_user_model_dataset_and_tokenizer_are_passed_through(tmp_path):
         "checkpoint": {"save_final": False},
         "logging": {"log_every": 10},
     }
-    result = train_from_config(base, model=Counter(), dataset=Pairs(), console=False)
+    result = train_from_config(base, model=digits_bigram(), dataset=Pairs(), console=False)
     assert result.steps == 30 and result.samples == 120
     assert result.final_loss < 1.0  # log(10) = 2.3 before training
 
@@ -133,7 +118,7 @@ def test_user_model_dataset_and_tokenizer_are_passed_through(tmp_path):
         return [int(c) for c in chunk if c.isdigit()]
 
     with_text = {**base, "data": {"micro_batch_size": 4, "text_path": str(text)}}
-    result = train_from_config(with_text, model=Counter(), tokenizer=digits, console=False)
+    result = train_from_config(with_text, model=digits_bigram(), tokenizer=digits, console=False)
     assert result.steps == 30 and tokens and result.final_loss < 1.0
 
 
@@ -145,14 +130,7 @@ def test_data_seed_hook_changes_the_stream(tmp_path):
 
     config = {
         "run": {"device": "cpu", "max_steps": 1, "output_dir": str(tmp_path)},
-        "model": {
-            "name": "reference_transformer",
-            "vocab_size": 32,
-            "max_seq_len": 8,
-            "n_layer": 1,
-            "n_head": 2,
-            "d_model": 16,
-        },
+        "model": TINY_MODEL,
     }
     name = plugins.register(Seeder(), name="test-runtime-seeder")
     try:
@@ -163,17 +141,9 @@ def test_data_seed_hook_changes_the_stream(tmp_path):
 
 
 def test_sinks_are_closed_when_the_trainer_cannot_be_built(tmp_path):
-    closed: list[bool] = []
-
-    class Sink:
-        def on_event(self, event, payload):
-            pass
-
-        def close(self):
-            closed.append(True)
-
-    frozen = Counter().requires_grad_(False)
+    sink = ClosingSink()
+    frozen = digits_bigram().requires_grad_(False)
     config = {"run": {"device": "cpu", "output_dir": str(tmp_path)}}
     with pytest.raises(SpeedtronicError, match="no trainable parameters"):
-        build_runtime(config, model=frozen, hooks=[Sink()], console=False)
-    assert closed == [True]
+        build_runtime(config, model=frozen, hooks=[sink], console=False)
+    assert sink.closes == 1

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from core import toy_runs
-from core.toy_runs import SEQ, VOCAB, merge_sections, toy_trainer
+from core.toy_runs import SEQ, VOCAB, ClosingSink, merge_sections, toy_trainer
 from torch import nn
 
 from speedtronic import DataError, SpeedtronicConfig, SpeedtronicError, hookimpl, plugins
@@ -290,20 +290,12 @@ def test_train_end_hook_and_sinks_see_the_error(tmp_path, recorder):
                 raise ValueError("broken batch")
             return self.loss(input_ids, labels)
 
-    closed: list[bool] = []
-
-    class Sink:
-        def on_event(self, event, payload):
-            pass
-
-        def close(self):
-            closed.append(True)
-
-    trainer = toy_trainer(Failing(), make_config(tmp_path), [Sink()])
+    sink = ClosingSink()
+    trainer = toy_trainer(Failing(), make_config(tmp_path), [sink])
     with pytest.raises(ValueError, match="broken batch"):
         trainer.fit()
     assert len(plugin.ended) == 1 and isinstance(plugin.ended[0], ValueError)
-    assert closed == [True]
+    assert sink.closes == 1
 
 
 # ------------------------------------------------------------------ compile

@@ -7,25 +7,16 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from core.toy_runs import toy_trainer
 from torch import nn
 
 from speedtronic import SpeedtronicConfig, precision
-from speedtronic.data import build_dataloader
-from speedtronic.metrics import MetricLogger
 from speedtronic.precision import BF16, FP16, FP32, resolve_device, resolve_precision
 from speedtronic.trainer import Trainer
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")  # constructing a device object needs no GPU
 MPS = torch.device("mps")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture
@@ -131,12 +122,7 @@ def run_with_mode(tmp_path, mode: str) -> tuple[DtypeProbe, Trainer]:
         }
     )
     model = DtypeProbe()
-    trainer = Trainer(
-        model,
-        config,
-        data=build_dataloader(config, seq_len=8, vocab_size=16),
-        metric_logger=MetricLogger(),
-    )
+    trainer = toy_trainer(model, config)
     trainer.fit()
     return model, trainer
 

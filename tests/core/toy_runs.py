@@ -21,8 +21,8 @@ from speedtronic.trainer import Trainer, TrainResult
 VOCAB = 16
 SEQ = 8
 
-# The reference transformer at its smallest that still has grouped-query attention and dropout
-# (so resuming must restore the RNG exactly).
+# A reference transformer small enough for many short runs, with grouped-query attention and
+# dropout (so an exact resume must also restore the RNG).
 TINY_TRANSFORMER = {
     "name": "reference_transformer",
     "vocab_size": 256,
@@ -111,6 +111,19 @@ class EventRecorder:
 
     def named(self, event: str) -> list[dict[str, Any]]:
         return [p for e, p in self.events if e == event]
+
+
+class ClosingSink:
+    """A metric sink that only counts its ``close()`` calls."""
+
+    def __init__(self) -> None:
+        self.closes = 0
+
+    def on_event(self, event: str, payload: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closes += 1
 
 
 def train(config: dict[str, Any], **kwargs: Any) -> tuple[TrainResult, EventRecorder, Trainer]:

@@ -346,7 +346,7 @@ def build_dataloader(
     if dataset is not None:
         if data.text_path:
             log.warning("a dataset was passed, so data.text_path (%s) is not used", data.text_path)
-        return _user_source(config, dataset)
+        return _user_source(config, dataset, seed if seed is not None else config.data_seed)
 
     seq_len = _within("seq_len", data.seq_len, seq_len, "max_seq_len")
     if seq_len is None:
@@ -419,7 +419,9 @@ def _loader(config: SpeedtronicConfig, stream: IterableDataset) -> Iterator[Batc
     return iter(DataLoader(stream, batch_size=None, **_loader_kwargs(config)))
 
 
-def _user_source(config: SpeedtronicConfig, dataset: Dataset | IterableDataset) -> DataSource:
+def _user_source(
+    config: SpeedtronicConfig, dataset: Dataset | IterableDataset, seed: int
+) -> DataSource:
     data = config.data
     micro = data.micro_batch_size
     batch_size = None if getattr(dataset, "yields_batches", False) else micro
@@ -447,7 +449,6 @@ def _user_source(config: SpeedtronicConfig, dataset: Dataset | IterableDataset) 
         raise DataError(f"the dataset {name} is neither iterable-style nor sized") from None
     if length == 0:
         raise DataError(f"the dataset {name} passed to build_dataloader is empty")
-    seed = config.data_seed
 
     def order(start: int) -> Iterator[int]:
         # Epoch e's order depends only on (seed, e), so resuming at any sample is exact.
