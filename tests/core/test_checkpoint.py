@@ -266,10 +266,14 @@ def test_leftovers_of_an_interrupted_save_are_ignored_then_cleaned(tmp_path: Pat
     save_file({"w": torch.zeros(1)}, str(staging / "tensors.safetensors"))
     complete_but_unpointed = manager.directory / "step_00000002"
     complete_but_unpointed.mkdir()  # renamed into place, crash before the pointer: no manifest
+    torn_pointer = manager.directory / ".latest.json.k1ll3d.tmp"  # killed mid pointer update
+    torn_pointer.write_text('{"checkpoint": "step_000')
     loaded = manager.load_latest()
     assert loaded is not None and loaded.step == 1
     manager.save(2, state(2))  # re-saving the step replaces the torn directory
     assert visible(manager) == ["latest.json", "step_00000001", "step_00000002"]
+    everything = sorted(p.name for p in manager.directory.iterdir())
+    assert everything == ["latest.json", "step_00000001", "step_00000002"]
     loaded = manager.load_latest()
     assert loaded is not None and loaded.step == 2
 

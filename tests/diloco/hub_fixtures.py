@@ -1,15 +1,18 @@
-"""Shared pieces for the Hub transport tests: a running emulator and transports bound to it."""
+"""Shared pieces for the Hub tests: a running emulator, transports bound to it, and the
+client's own retry sleeps recorded instead of slept."""
 
 from __future__ import annotations
 
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
 import huggingface_hub
 import pytest
 from hub_emulator import HubEmulator
-from huggingface_hub import constants
+from huggingface_hub import constants, file_download
+from huggingface_hub.utils import _http as hf_http
 
 from speedtronic_diloco.hub import HubTransport
 from speedtronic_diloco.transport import GlobalMetadata
@@ -27,7 +30,18 @@ def hub_fixture(monkeypatch: pytest.MonkeyPatch) -> Iterator[HubEmulator]:
     huggingface_hub.close_session()
     with HubEmulator() as emulator:
         yield emulator
-    huggingface_hub.close_session()
+    huggingface_hub.close_session()  # drop pooled connections to the stopped server
+
+
+@pytest.fixture(name="client_sleeps")
+def client_sleeps_fixture(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The sleeps of the client's own backoff, recorded instead of slept (keeps tests fast).
+    Import ``client_sleeps_fixture`` to get the ``client_sleeps`` fixture."""
+    slept: list[float] = []
+    fake_time = types.SimpleNamespace(sleep=slept.append)
+    monkeypatch.setattr(hf_http, "time", fake_time)
+    monkeypatch.setattr(file_download, "time", fake_time)
+    return slept
 
 
 def transport(hub: HubEmulator, timeout: float = 5.0, token: str = TOKEN) -> HubTransport:

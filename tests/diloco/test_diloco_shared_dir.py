@@ -200,8 +200,10 @@ def test_open_transport(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     assert isinstance(
         open_transport(DistributedConfig(repo_id=str(tmp_path))), SharedDirectoryTransport
     )
-    monkeypatch.setitem(sys.modules, "speedtronic_diloco.hub", None)  # not installed
-    with pytest.raises(PermanentTransportError, match="file://"):
+    # Without huggingface-hub a Hub repo id is one clear error naming the package.
+    monkeypatch.delitem(sys.modules, "speedtronic_diloco.hub", raising=False)
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)
+    with pytest.raises(PermanentTransportError, match=r"pip install 'huggingface-hub.*file://"):
         open_transport(DistributedConfig(repo_id="org/run"))
 
 

@@ -7,26 +7,21 @@ relies on: which exception each failure surfaces as, and which calls retry by th
 from __future__ import annotations
 
 import hashlib
-import sys
 import time
-import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 import httpx2
-import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, home of hub_emulator
-
 import huggingface_hub
+import pytest
 from hub_emulator import HubEmulator
+from hub_fixtures import client_sleeps_fixture, hub_fixture  # noqa: F401
 from huggingface_hub import (
     CommitOperationAdd,
     CommitOperationDelete,
     HfApi,
     constants,
-    file_download,
     hf_hub_download,
 )
 from huggingface_hub.errors import (
@@ -43,17 +38,6 @@ REPO = "speedtronic/diloco-run"
 
 
 @pytest.fixture
-def hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[HubEmulator]:
-    """A running emulator; the client's shared session is reset around it."""
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
-    huggingface_hub.close_session()
-    with HubEmulator() as emulator:
-        yield emulator
-    huggingface_hub.close_session()  # drop pooled connections to the stopped server
-
-
-@pytest.fixture
 def api(hub: HubEmulator) -> HfApi:
     return HfApi(endpoint=hub.endpoint, token=TOKEN)
 
@@ -64,16 +48,6 @@ def download(hub: HubEmulator, tmp_path: Path) -> Callable[..., str]:
     return partial(
         hf_hub_download, endpoint=hub.endpoint, token=TOKEN, cache_dir=tmp_path / "cache"
     )
-
-
-@pytest.fixture
-def backoff_sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    """Record the client's retry sleeps instead of sleeping them (keeps tests fast)."""
-    slept: list[float] = []
-    fake_time = types.SimpleNamespace(sleep=slept.append)
-    monkeypatch.setattr(hf_http, "time", fake_time)
-    monkeypatch.setattr(file_download, "time", fake_time)
-    return slept
 
 
 def _kinds(hub: HubEmulator) -> list[str]:
@@ -244,17 +218,17 @@ def test_download_401_raises_http_error_403_raises_local_entry_error(
 
 
 def test_retrying_calls_honour_retry_after_and_recover(
-    hub: HubEmulator, api: HfApi, download: Callable[..., str], backoff_sleeps: list[float]
+    hub: HubEmulator, api: HfApi, download: Callable[..., str], client_sleeps: list[float]
 ) -> None:
     hub.add_repo(REPO, files={"w.bin": b"w"})
 
     hub.inject("tree", status=429, retry_after=2)
     assert [e.path for e in api.list_repo_tree(REPO)] == [".gitattributes", "w.bin"]
-    assert backoff_sleeps == [3.0]  # Retry-After + 1 second
+    assert client_sleeps == [3.0]  # Retry-After + 1 second
 
     hub.inject("preupload", status=503)
     api.create_commit(REPO, [CommitOperationAdd("x", b"x")], commit_message="x")
-    assert backoff_sleeps == [3.0, 1]
+    assert client_sleeps == [3.0, 1]
 
     hub.inject("resolve", status=503, method="HEAD")
     assert Path(download(REPO, "w.bin")).read_bytes() == b"w"  # second HEAD, no sleep
@@ -262,14 +236,14 @@ def test_retrying_calls_honour_retry_after_and_recover(
 
 
 def test_persistent_503_on_download_exhausts_retries(
-    hub: HubEmulator, download: Callable[..., str], backoff_sleeps: list[float]
+    hub: HubEmulator, download: Callable[..., str], client_sleeps: list[float]
 ) -> None:
     hub.add_repo(REPO, files={"w.bin": b"w"})
     hub.inject("resolve", status=503, count=100)
     with pytest.raises(LocalEntryNotFoundError) as unavailable:
         download(REPO, "w.bin")
     assert unavailable.value.__cause__.response.status_code == 503
-    assert backoff_sleeps == [1, 2, 4, 8, 8]
+    assert client_sleeps == [1, 2, 4, 8, 8]
     assert _kinds(hub).count("resolve") == 7  # 1 plain HEAD + 1 + 5 retried HEADs
 
 
@@ -356,12 +330,12 @@ def test_download_recovers_from_one_hung_head(
 
 
 def test_download_resumes_after_a_dropped_get(
-    hub: HubEmulator, download: Callable[..., str], backoff_sleeps: list[float]
+    hub: HubEmulator, download: Callable[..., str], client_sleeps: list[float]
 ) -> None:
     hub.add_repo(REPO, files={"w.bin": b"w"})
     hub.inject_drop("resolve", method="GET")
     assert Path(download(REPO, "w.bin")).read_bytes() == b"w"
-    assert backoff_sleeps == [1]
+    assert client_sleeps == [1]
 
 
 def test_inject_call_runs_before_the_request_is_served(hub: HubEmulator, api: HfApi) -> None:

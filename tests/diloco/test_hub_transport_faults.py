@@ -7,15 +7,21 @@ from __future__ import annotations
 import email.utils
 import logging
 import time
-import types
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from hub_emulator import HubEmulator
-from hub_fixtures import REPO, TOKEN, delta_file, hub_fixture, publish, transport  # noqa: F401
-from huggingface_hub import file_download, hf_hub_download
-from huggingface_hub.utils import _http as hf_http
+from hub_fixtures import (  # noqa: F401
+    REPO,
+    TOKEN,
+    client_sleeps_fixture,
+    delta_file,
+    hub_fixture,
+    publish,
+    transport,
+)
+from huggingface_hub import hf_hub_download
 
 from speedtronic_diloco.hub import HubTransport
 from speedtronic_diloco.hub_errors import classify, retry_after
@@ -29,16 +35,6 @@ from speedtronic_diloco.transport import (
 )
 
 Op = Callable[[HubTransport, Path, GlobalMetadata], object]
-
-
-@pytest.fixture
-def client_sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    """Sleeps of the client's own backoff, recorded instead of slept: must stay empty."""
-    slept: list[float] = []
-    fake_time = types.SimpleNamespace(sleep=slept.append)
-    monkeypatch.setattr(hf_http, "time", fake_time)
-    monkeypatch.setattr(file_download, "time", fake_time)
-    return slept
 
 
 def _seeded(hub: HubEmulator, tmp_path: Path) -> GlobalMetadata:

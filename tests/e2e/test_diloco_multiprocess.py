@@ -42,9 +42,12 @@ MODEL = {
 WAIT = 180.0  # generous: three processes share two contended cores
 
 
-def write_config(tmp_path: Path) -> Path:
+def write_config(
+    tmp_path: Path, name: str = "diloco.yaml", run_name: str = "diloco-e2e", **distributed: Any
+) -> Path:
+    """A small run of MODEL; ``distributed`` adds to the DiLoCo settings (``repo_id`` at least)."""
     config = {
-        "run": {"name": "diloco-e2e", "seed": 0, "device": "cpu", "max_steps": 1_000_000},
+        "run": {"name": run_name, "seed": 0, "device": "cpu", "max_steps": 1_000_000},
         "model": {"name": "reference_transformer", **MODEL},
         "data": {"micro_batch_size": 8},
         "optimizer": {"lr": 3.0e-3, "weight_decay": 0.0},
@@ -54,16 +57,15 @@ def write_config(tmp_path: Path) -> Path:
         "logging": {"log_every": 10, "progress": False},
         "distributed": {
             "enabled": True,
-            "repo_id": f"file://{tmp_path / 'shared'}",
             "inner_steps": 5,
             "poll_interval": 0.3,
             "outer_lr": 0.7,
             "outer_momentum": 0.5,
-            "max_retries": 2,
             "retry_backoff": 0.1,
+            **distributed,
         },
     }
-    path = tmp_path / "diloco.yaml"
+    path = tmp_path / name
     path.write_text(yaml.safe_dump(config))
     return path
 
@@ -191,7 +193,7 @@ def eval_loss(state: dict[str, torch.Tensor] | None) -> float:
 
 
 def test_master_and_two_workers_recover_and_improve(tmp_path: Path) -> None:
-    config = write_config(tmp_path)
+    config = write_config(tmp_path, repo_id=f"file://{tmp_path / 'shared'}", max_retries=2)
     shared = tmp_path / "shared"
     master = Node(tmp_path, config, "master", "master")
     workers = [Node(tmp_path, config, "worker", f"w{i}") for i in (1, 2)]

@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from hub_emulator import HubEmulator
-from test_diloco_multiprocess import MODEL, Node, wait_until
+from test_diloco_multiprocess import Node, wait_until, write_config
 
 from speedtronic_diloco.transport import GLOBAL_METADATA, GlobalMetadata
 
@@ -33,33 +32,17 @@ TOKEN = "hf_test_secret_token"
 REPO = "org/run"
 
 
-def write_config(tmp_path: Path, name: str, **distributed: Any) -> Path:
+def hub_config(tmp_path: Path, name: str, **distributed: Any) -> Path:
     """A small run whose store is the Hub repository REPO."""
-    config = {
-        "run": {"name": "diloco-hub-e2e", "seed": 0, "device": "cpu", "max_steps": 1_000_000},
-        "model": {"name": "reference_transformer", **MODEL},
-        "data": {"micro_batch_size": 8},
-        "optimizer": {"lr": 3.0e-3, "weight_decay": 0.0},
-        "scheduler": {"name": "constant"},
-        "precision": {"mode": "fp32"},
-        "checkpoint": {"interval": 10, "keep_last": 2},
-        "logging": {"log_every": 10, "progress": False},
-        "distributed": {
-            "enabled": True,
-            "repo_id": REPO,
-            "inner_steps": 5,
-            "poll_interval": 0.3,
-            "outer_lr": 0.7,
-            "outer_momentum": 0.5,
-            "max_retries": 4,
-            "retry_backoff": 0.1,
-            "request_timeout": 10.0,
-            **distributed,
-        },
-    }
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(config))
-    return path
+    return write_config(
+        tmp_path,
+        name,
+        run_name="diloco-hub-e2e",
+        repo_id=REPO,
+        max_retries=4,
+        request_timeout=10.0,
+        **distributed,
+    )
 
 
 @pytest.fixture
@@ -82,9 +65,9 @@ def published(hub: HubEmulator) -> GlobalMetadata | None:
 
 
 def test_master_and_two_workers_through_the_hub(hub: HubEmulator, tmp_path: Path) -> None:
-    shared_config = write_config(tmp_path, "hub.yaml")
+    shared_config = hub_config(tmp_path, "hub.yaml")
     # w2 names the endpoint and the token in its config instead of the environment.
-    w2_config = write_config(tmp_path, "hub-w2.yaml", endpoint=hub.endpoint, token=TOKEN)
+    w2_config = hub_config(tmp_path, "hub-w2.yaml", endpoint=hub.endpoint, token=TOKEN)
     master = Node(tmp_path, shared_config, "master", "master")
     workers = [
         Node(tmp_path, shared_config, "worker", "w1"),

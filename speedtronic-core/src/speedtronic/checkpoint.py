@@ -179,6 +179,10 @@ class CheckpointManager:
         # simply reappears and is removed by the next save.
         for stale in self.directory.glob(f"{_HIDDEN_PREFIX}*"):
             shutil.rmtree(stale, ignore_errors=True)
+        # A kill during an earlier pointer update can leave its temp file behind; the pointer
+        # just written is durable, so any such file is garbage.
+        for stale in self.directory.glob(f".{POINTER}.*.tmp"):
+            stale.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ reading
     def candidates(self) -> list[Path]:

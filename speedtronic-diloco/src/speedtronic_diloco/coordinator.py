@@ -509,7 +509,7 @@ class DumbDiLoCoCoordinator:
                     self._last_global_step,
                 )
             elif baseline:
-                self._baseline = {k: v.detach().cpu().clone() for k, v in baseline.items()}
+                self._baseline = cpu_state_dict(baseline)
                 self._generation += 1
                 self._last_global_step = last_global
         outer_state = state.get("outer")

@@ -165,7 +165,7 @@ class HubTransport(Transport):
         return cls(
             section.repo_id or "",
             token=section.token,
-            endpoint=getattr(section, "endpoint", None),
+            endpoint=section.endpoint,
             request_timeout=section.request_timeout,
         )
 
@@ -489,7 +489,7 @@ class HubTransport(Transport):
                 continue
             etag = entry.lfs.sha256 if entry.lfs is not None else entry.blob_id
             found.append(DeltaInfo(parsed[0], parsed[1], entry.path, entry.size, etag))
-        return sorted(found, key=lambda info: (info.node_id, info.local_step))
+        return sorted(found, key=lambda info: info.key)
 
     def download_delta(self, info: DeltaInfo, dest: Path) -> Path:
         """Download the delta at the branch head into ``dest``, checked against the listing's

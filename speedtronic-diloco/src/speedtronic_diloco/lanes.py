@@ -51,11 +51,6 @@ class Lane:
         self._thread.join(max(0.0, timeout))
         return not self._thread.is_alive()
 
-    @property
-    def alive(self) -> bool:
-        """Whether the thread is still running (a stuck request outliving close())."""
-        return self._thread.is_alive()
-
     def _run(self) -> None:
         while True:
             with self._cond:

@@ -277,32 +277,31 @@ class MasterOuterLoop:
             step, weights = self.outer_step, self.global_state
             ledger = tuple((n, s, e) for (n, s), e in sorted(self.processed.items()))
         path = self.cache_dir / "publish" / f"global_{step:08d}.safetensors"
-        self._round_lock.acquire()
-        try:
-            save_tensors(path, weights, {"outer_step": str(step), "master": self.node_id})
-            meta = GlobalMetadata.for_file(
-                path,
-                step,
-                published_at=time.time(),
-                master=self.node_id,
-                deltas_included=deltas_included,
-                processed=ledger,
-            )
-            published = self.retry.call(
-                "publish global", lambda: self.transport.publish_global(path, meta), self._stop
-            )
-        except TransportError as exc:
-            log.warning(
-                "publishing outer step %d to %s failed (%s); will retry next round",
-                step,
-                self.transport.description,
-                exc,
-            )
-            return None
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-            self._round_lock.release()
+        with self._round_lock:
+            try:
+                save_tensors(path, weights, {"outer_step": str(step), "master": self.node_id})
+                meta = GlobalMetadata.for_file(
+                    path,
+                    step,
+                    published_at=time.time(),
+                    master=self.node_id,
+                    deltas_included=deltas_included,
+                    processed=ledger,
+                )
+                published = self.retry.call(
+                    "publish global", lambda: self.transport.publish_global(path, meta), self._stop
+                )
+            except TransportError as exc:
+                log.warning(
+                    "publishing outer step %d to %s failed (%s); will retry next round",
+                    step,
+                    self.transport.description,
+                    exc,
+                )
+                return None
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
         with self._lock:
             self.published_step = max(self.published_step, step)
         with contextlib.suppress(OSError):

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import logging
 import weakref
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ from typing import Any
 from speedtronic import hookimpl
 from speedtronic_diloco.config import DistributedConfig
 from speedtronic_diloco.identity import node_data_seed, resolve_node_id
+
+log = logging.getLogger("speedtronic.diloco")
 
 STATE_KEY = "diloco"
 
@@ -123,6 +126,4 @@ def on_train_end(trainer: Any, error: BaseException | None) -> None:
     try:
         coordinator.stop()
     except Exception:  # on_train_end must not raise
-        import logging
-
-        logging.getLogger("speedtronic.diloco").exception("stopping DumbDiLoCo failed")
+        log.exception("stopping DumbDiLoCo failed")

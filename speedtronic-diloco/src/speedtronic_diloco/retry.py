@@ -33,13 +33,14 @@ class RetryPolicy:
     def call(self, what: str, fn: Callable[[], T], stop: threading.Event | None = None) -> T:
         """Run ``fn``; retry TransientTransportError, re-raise the last one when out of tries
         or when ``stop`` is set. Other exceptions propagate immediately."""
+        stop = stop if stop is not None else threading.Event()  # never set: plain waits
         attempt = 0
         deadline = time.monotonic() + self.max_total
         while True:
             try:
                 return fn()
             except TransientTransportError as exc:
-                if attempt >= self.retries or (stop is not None and stop.is_set()):
+                if attempt >= self.retries or stop.is_set():
                     raise
                 delay = min(self.backoff * 2**attempt, MAX_DELAY) * random.uniform(0.5, 1.0)
                 if exc.retry_after is not None:
@@ -50,8 +51,5 @@ class RetryPolicy:
                 log.info(
                     "%s failed (%s); retry %d/%d in %.1fs", what, exc, attempt, self.retries, delay
                 )
-                if stop is not None:
-                    if stop.wait(delay):
-                        raise
-                elif delay > 0:
-                    threading.Event().wait(delay)
+                if stop.wait(delay):
+                    raise

@@ -212,7 +212,7 @@ class SharedDirectoryTransport(Transport):
                         f"{stat.st_size}-{stat.st_mtime_ns}",
                     )
                 )
-        return sorted(found, key=lambda info: (info.node_id, info.local_step))
+        return sorted(found, key=lambda info: info.key)
 
     def download_delta(self, info: DeltaInfo, dest: Path) -> Path:
         """Copy the delta file to ``dest`` atomically."""

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from speedtronic.errors import TransportError
 from speedtronic.fileio import sha256_file
+from speedtronic_diloco.identity import is_valid_node_id
 
 if TYPE_CHECKING:
     from speedtronic_diloco.config import DistributedConfig
@@ -215,8 +216,6 @@ def delta_path(node_id: str, local_step: int) -> str:
 
 def parse_delta_path(path: str) -> tuple[str, int] | None:
     """``(node_id, local_step)`` of a delta path, or None for anything else (temp files...)."""
-    from speedtronic_diloco.identity import is_valid_node_id
-
     match = _DELTA_PATH.match(path)
     if not match or not is_valid_node_id(match.group(1)):
         return None
@@ -303,11 +302,11 @@ def open_transport(config: DistributedConfig) -> Transport:
     try:
         hub = importlib.import_module("speedtronic_diloco.hub")
     except ModuleNotFoundError as exc:
-        if exc.name == "speedtronic_diloco.hub":
+        if exc.name and exc.name.split(".")[0] == "huggingface_hub":
             raise PermanentTransportError(
-                f"distributed.repo_id {repo_id!r} names a Hugging Face Hub repository, but this "
-                "speedtronic-diloco has no Hub transport yet; use a file:// URL or an absolute "
-                "path for a shared directory"
+                f"distributed.repo_id {repo_id!r} names a Hugging Face Hub repository, which "
+                "needs the huggingface-hub package (pip install 'huggingface-hub>=1.4,<3'); "
+                "use a file:// URL or an absolute path for a shared directory instead"
             ) from None
         raise
     return hub.HubTransport.from_config(config)
