@@ -163,3 +163,30 @@ def test_state_dict_is_the_base_optimizers_and_reset_reaches_it() -> None:
     assert len(plain.state) == len(cautious.state) > 0
     reset_optimizer_state(cautious)
     assert len(cautious.base.state) == 0
+
+
+@pytest.mark.parametrize("cautious", [True, False])
+def test_trainer_wraps_a_third_party_optimizer_when_the_config_asks(cautious: bool) -> None:
+    from core.toy_runs import Bigram, toy_trainer
+
+    from speedtronic import SpeedtronicConfig
+
+    config = SpeedtronicConfig.from_dict(
+        {
+            "run": {"device": "cpu", "max_steps": 2},
+            "optimizer": {"cautious": cautious},
+            "checkpoint": {"save_final": False},
+        }
+    )
+    model = Bigram()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = toy_trainer(model, config, optimizer=sgd)
+    if cautious:
+        assert isinstance(trainer.optimizer, CautiousOptimizer) and trainer.optimizer.base is sgd
+    else:
+        assert trainer.optimizer is sgd
+    trainer.fit()
+    assert trainer.step == 2
+    # An optimizer the caller already wrapped is not wrapped twice.
+    wrapped = CautiousOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert toy_trainer(model, config, optimizer=wrapped).optimizer is wrapped

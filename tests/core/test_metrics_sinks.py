@@ -139,7 +139,8 @@ def test_hooks_may_be_callables_or_objects_and_a_failing_sink_is_isolated(caplog
     def broken(event, payload):
         raise OSError("disk full")
 
-    logger = MetricLogger([broken, lambda e, p: calls.append(f"fn:{e}"), Obj()])
+    # `hooks=` is the documented keyword name (public contract).
+    logger = MetricLogger(hooks=[broken, lambda e, p: calls.append(f"fn:{e}"), Obj()])
     with caplog.at_level(logging.WARNING, logger="speedtronic.metrics"):
         logger.emit("a", {})
         logger.emit("b", {})

@@ -16,7 +16,7 @@ from speedtronic.plugins import get_plugin_manager, list_plugins
 from speedtronic.runtime import build_runtime
 from speedtronic_diloco import DistributedConfig, DumbDiLoCoCoordinator, SyncResult
 from speedtronic_diloco.plugin import coordinator_of
-from speedtronic_diloco.shared_dir import SharedDirectoryTransport
+from speedtronic_diloco.shared_dir import SharedDirectoryTransport, shared_dir_root
 
 
 def config_dict(tmp_path: Path, **distributed: Any) -> dict[str, Any]:
@@ -60,9 +60,12 @@ def test_public_names_resolve_through_core() -> None:
     assert speedtronic.DumbDiLoCo is DumbDiLoCoCoordinator
     assert speedtronic.SyncResult is SyncResult
     from speedtronic.config import DistributedConfig as seed_era_config
+    from speedtronic.distributed import DumbDiLoCo as seed_era_alias
+    from speedtronic.distributed import DumbDiLoCoCoordinator as seed_era_coordinator
     from speedtronic.distributed import MasterOuterLoop
 
     assert seed_era_config is DistributedConfig
+    assert seed_era_coordinator is DumbDiLoCoCoordinator is seed_era_alias
     assert MasterOuterLoop.__module__ == "speedtronic_diloco.outer"
     assert SyncResult(pushed=True, loaded_global=False, outer_step=3).outer_step == 3
     (row,) = [p for p in list_plugins() if p.name == "diloco"]
@@ -87,6 +90,16 @@ def test_distributed_section_is_validated_and_redacted(tmp_path: Path) -> None:
         SpeedtronicConfig.from_dict(config_dict(tmp_path, repo_id=None))
     with pytest.raises(ConfigError, match=r"distributed\.outer_momentum"):
         SpeedtronicConfig.from_dict(config_dict(tmp_path, outer_momentum=1.0))
+
+
+def test_shipped_diloco_config_is_valid_and_uses_a_shared_directory() -> None:
+    config = SpeedtronicConfig.from_file(
+        Path(__file__).resolve().parents[2] / "configs/diloco.yaml"
+    )
+    section = config.distributed
+    assert isinstance(section, DistributedConfig) and section.enabled
+    assert section.mode == "dumb_diloco" and section.role == "worker"
+    assert shared_dir_root(section.repo_id or "") == Path("runs/diloco/shared")
 
 
 def test_each_node_draws_its_own_data(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from hub_fixtures import (  # noqa: F401
     transport,
 )
 from huggingface_hub import hf_hub_download
+from huggingface_hub.errors import OfflineModeIsEnabled
 
 from speedtronic_diloco.hub import HubTransport
 from speedtronic_diloco.hub_errors import classify, retry_after
@@ -160,6 +161,30 @@ def test_a_hanging_request_times_out(
     assert client_sleeps == []
 
 
+@pytest.mark.parametrize(
+    ("kind", "fault"), [("preupload", "503"), ("commit", "503"), ("commit", "drop")]
+)
+def test_a_failed_publication_leaves_readers_on_the_previous_global(
+    hub: HubEmulator, tmp_path: Path, client_sleeps: list[float], kind: str, fault: str
+) -> None:
+    """A fault between the steps of a publication (after the weights were announced, at the
+    commit) leaves the head, the metadata and the weights of the previous global together."""
+    seeded = _seeded(hub, tmp_path)
+    head = hub.head(REPO)
+    if fault == "drop":
+        hub.inject_drop(kind)
+    else:
+        hub.inject(kind, status=503)
+    with pytest.raises(TransientTransportError):
+        publish(transport(hub), tmp_path, 2, b"weights 2")
+    assert hub.head(REPO) == head
+    reader = transport(hub)
+    metadata = reader.read_global_metadata()
+    assert metadata is not None
+    assert (metadata.outer_step, metadata.sha256) == (1, seeded.sha256)
+    assert reader.download_global(metadata, tmp_path / "g").read_bytes() == b"weights"
+
+
 # -- the retry policy on top ---------------------------------------------------------------
 
 
@@ -254,6 +279,12 @@ def test_hf_hub_download_errors_are_classified_by_their_cause(
 def test_programming_errors_are_not_translated() -> None:
     assert classify(KeyError("bug"), "x") is None
     assert classify(TypeError("bug"), "x") is None
+
+
+def test_offline_mode_is_permanent() -> None:
+    error = classify(OfflineModeIsEnabled("offline"), "x")
+    assert isinstance(error, PermanentTransportError)
+    assert "HF_HUB_OFFLINE" in str(error)
 
 
 def test_retry_after_forms() -> None:

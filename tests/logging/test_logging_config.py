@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import fields
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -79,3 +82,50 @@ def test_the_docs_page_lists_every_option() -> None:
         for field in fields(section):
             assert f"| `{field.name}` |" in table, f"{name}.{field.name} is not documented"
             assert field.metadata["help"], f"{name}.{field.name} has no help text"
+
+
+def test_section_and_option_names_are_the_documented_contract() -> None:
+    assert list(SECTIONS) == ["wandb", "tensorboard"]
+    assert [f.name for f in fields(WandbConfig)] == [
+        "enabled",
+        "project",
+        "entity",
+        "name",
+        "group",
+        "tags",
+        "mode",
+        "dir",
+    ]
+    assert [f.name for f in fields(TensorBoardConfig)] == ["enabled", "log_dir", "flush_secs"]
+
+
+def test_extras_install_each_backend() -> None:
+    requires = metadata.requires("speedtronic-logging") or []
+    extras: dict[str, set[str]] = {}
+    for line in requires:
+        if "extra ==" in line:
+            requirement, marker = line.split(";", 1)
+            extra = marker.split("extra ==", 1)[1].strip().strip("\"'")
+            name = requirement.strip().split(">", 1)[0].split("=", 1)[0].split("[", 1)[0]
+            extras.setdefault(extra, set()).add(name)
+    assert extras == {
+        "wandb": {"wandb"},
+        "tensorboard": {"tensorboard"},
+        "all": {"wandb", "tensorboard"},
+    }
+
+
+def test_loading_the_plugin_imports_neither_backend() -> None:
+    code = (
+        "import sys\n"
+        "import speedtronic_logging.plugin\n"
+        "from speedtronic import SpeedtronicConfig\n"
+        "SpeedtronicConfig.from_dict({'wandb': {'project': 'p'}, 'tensorboard': {}})\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('wandb', 'tensorboard')"
+        " or m.startswith('torch.utils.tensorboard')))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

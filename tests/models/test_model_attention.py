@@ -88,3 +88,25 @@ def test_rotary_tables_stay_out_of_the_state_dict(make_model) -> None:
     model = make_model()
     assert not any("rotary" in name for name in model.state_dict())
     assert model.rotary.cos.shape[0] == model.max_seq_len
+
+
+def test_unpadded_batches_use_the_causal_kernel_without_a_mask(
+    make_model, tokens, monkeypatch
+) -> None:
+    from speedtronic_models import torch_compat
+
+    seen: list[tuple[object, object]] = []
+    sdpa = torch_compat.F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("attn_mask"), kwargs.get("is_causal")))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch_compat.F, "scaled_dot_product_attention", spy)
+    model = make_model()
+    model(tokens)
+    assert seen == [(None, True)] * model.config.n_layer  # no [T, T] tensor is built
+    seen.clear()
+    model(tokens, attention_mask=torch.ones_like(tokens))
+    assert len(seen) == model.config.n_layer
+    assert all(mask is not None and causal is False for mask, causal in seen)

@@ -1,7 +1,8 @@
-"""Training behaviour: gradient checkpointing and fitting a fixed batch."""
+"""Training behaviour: initialisation, gradient checkpointing and fitting a fixed batch."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 
@@ -47,3 +48,17 @@ def test_tiny_model_overfits_a_fixed_batch(make_model, tokens) -> None:
         first = loss.item() if first is None else first
     assert first > 3.0  # about ln(vocab_size) at initialisation
     assert loss.item() < 0.05
+
+
+def test_init_scales_the_residual_projections_by_depth(make_model) -> None:
+    n_layer = 8
+    model = make_model(n_layer=n_layer, d_model=128, n_head=4, vocab_size=512)
+    residual_std = 0.02 / (2 * n_layer) ** 0.5
+    for block in model.blocks:
+        for weight in (block.attn.out.weight, block.mlp.down.weight):
+            assert weight.std().item() == pytest.approx(residual_std, rel=0.1)
+        for weight in (block.attn.qkv.weight, block.mlp.gate_up.weight):
+            assert weight.std().item() == pytest.approx(0.02, rel=0.1)
+        assert torch.equal(block.attn_norm.weight, torch.ones_like(block.attn_norm.weight))
+    assert model.tok_emb.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert model.tok_emb.weight.mean().abs().item() < 1e-3

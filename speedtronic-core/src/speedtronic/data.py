@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import islice
@@ -492,7 +493,14 @@ def repeat_epochs(
     """Iterate ``data`` epoch after epoch when it can be iterated again (a list, a DataLoader);
     a one-shot iterator (a generator) is iterated once. An empty epoch raises
     ``DataError(empty_message)``."""
-    iterator = iter(data)
+    # The first iterator is made now, not on first use: a DataLoader's iterator draws its seed
+    # from the global RNG, and the trainer restores a resumed run's RNG right after this call.
+    return _repeat_epochs(data, iter(data), empty_message)
+
+
+def _repeat_epochs(
+    data: Iterable[Any], iterator: Iterator[Any], empty_message: str
+) -> Iterator[Any]:
     if iterator is data:
         yield from iterator
         return
@@ -522,7 +530,10 @@ def _skip(iterator: Iterator[Any], start_sample: int, micro: int) -> Iterator[An
         log.warning(
             "resuming this data source re-reads and skips %d consumed micro-batches", skip_batches
         )
-    return islice(iterator, skip_batches, None)
+        # Skip now rather than lazily on first use, for the same reason as in repeat_epochs:
+        # re-reading may start DataLoader epochs, whose seeds come from the global RNG.
+        deque(islice(iterator, skip_batches), maxlen=0)
+    return iterator
 
 
 __all__ = [

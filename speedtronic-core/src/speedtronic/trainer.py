@@ -162,7 +162,8 @@ class Trainer:
     """Runs optimizer steps on ``model`` until ``config.run.max_steps``.
 
     ``data`` is a :class:`~speedtronic.data.DataSource` (resumable) or any iterable of
-    micro-batches. ``optimizer``/``scheduler`` default to the config's. Plugins come from
+    micro-batches. ``optimizer``/``scheduler`` default to the config's; a given ``optimizer``
+    is wrapped with cautious masking when ``optimizer.cautious`` is set. Plugins come from
     ``plugin_manager`` (the process-wide one by default).
     """
 
@@ -186,11 +187,17 @@ class Trainer:
         self.device = device or resolve_device(config.run.device)
         self.model = model.to(self.device)
         self.precision: Precision = resolve_precision(config.precision.mode, self.device)
-        self.optimizer = (
-            optimizer
-            if optimizer is not None
-            else build_optimizer(self.model, config.optimizer, self.device)
-        )
+        if optimizer is None:
+            optimizer = build_optimizer(self.model, config.optimizer, self.device)
+        elif config.optimizer.cautious:
+            # `optimizer.cautious` wraps a caller's (third-party) optimizer the same way as a
+            # configured one; one the caller already wrapped is kept as it is.
+            from speedtronic.cautious import CautiousOptimizer
+
+            if not isinstance(optimizer, CautiousOptimizer):
+                log.info("cautious masking on around %s", type(optimizer).__name__)
+                optimizer = CautiousOptimizer(optimizer)
+        self.optimizer = optimizer
         self.scheduler = (
             scheduler
             if scheduler is not None
