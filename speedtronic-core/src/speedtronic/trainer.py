@@ -366,10 +366,7 @@ class Trainer:
     # ------------------------------------------------------------------ loop
     def _batches(self) -> Iterator[Any]:
         if isinstance(self.data, DataSource):
-            if self.samples_seen and not self.data.exact_resume:
-                log.warning(
-                    "this data source resumes by skipping %d consumed samples", self.samples_seen
-                )
+            # A source that can only resume by skipping says so itself (data._skip).
             return self.data.iterate(self.samples_seen)
         batches = repeat_epochs(self.data)
         if self.samples_seen:
