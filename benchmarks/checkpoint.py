@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from speedtronic.checkpoint import CheckpointManager
-from speedtronic.fileio import atomic_write_with
+from speedtronic.checkpoint.fileio import atomic_write_with
 from speedtronic.runtime import build_runtime
 from speedtronic.trainer import Trainer
 

@@ -8,11 +8,10 @@ from typing import Any
 import pytest
 import torch
 
-from speedtronic.cautious import CautiousOptimizer
-from speedtronic.combined_optimizer import CombinedOptimizer
 from speedtronic.config import OptimizerConfig, SchedulerConfig
-from speedtronic.optim import build_optimizer, build_scheduler
-from speedtronic.trainer import reset_optimizer_state
+from speedtronic.optim import build_optimizer, build_scheduler, reset_optimizer_state
+from speedtronic.optim.cautious import CautiousOptimizer
+from speedtronic.optim.combined import CombinedOptimizer
 from speedtronic_models import ReferenceTransformer
 
 CPU = torch.device("cpu")

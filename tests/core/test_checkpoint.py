@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import speedtronic.checkpoint as checkpoint_module
+import speedtronic.checkpoint.manager as checkpoint_module
 from speedtronic.checkpoint import CheckpointManager, checkpoint_name
+from speedtronic.checkpoint.fileio import sha256_chunks
 from speedtronic.errors import CheckpointError
-from speedtronic.fileio import sha256_chunks
 
 
 def state(step: int) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from core.plugin_fixtures import THROWAWAY, plugin_env
 
-from speedtronic import cli, hookimpl, plugins, reference
+from speedtronic import cli, docgen, hookimpl, plugins
 from speedtronic.config import CORE_SECTIONS
 from speedtronic.schema import Section, option
 
@@ -20,22 +20,20 @@ REGENERATE = "regenerate it: {command}"
 
 def test_configuration_reference_is_generated_from_the_schema() -> None:
     page = (DOCS / "configuration.md").read_text()
-    assert page == reference.render_config_reference(), REGENERATE.format(
-        command=reference.CONFIG_COMMAND
+    assert page == docgen.render_config_reference(), REGENERATE.format(
+        command=docgen.CONFIG_COMMAND
     )
 
 
 def test_hook_reference_is_generated_from_the_hookspecs() -> None:
     page = (DOCS / "hooks.md").read_text()
-    assert page == reference.render_hook_reference(), REGENERATE.format(
-        command=reference.HOOKS_COMMAND
-    )
+    assert page == docgen.render_hook_reference(), REGENERATE.format(command=docgen.HOOKS_COMMAND)
 
 
 @pytest.mark.parametrize(("page", "file"), [("config", "configuration.md"), ("hooks", "hooks.md")])
 def test_the_regeneration_command_reproduces_the_page(page: str, file: str) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "speedtronic.reference", page],
+        [sys.executable, "-m", "speedtronic.docgen", page],
         env=plugin_env(load=""), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -43,7 +41,7 @@ def test_the_regeneration_command_reproduces_the_page(page: str, file: str) -> N
 
 
 def test_configuration_reference_documents_every_field() -> None:
-    page = reference.render_config_reference()
+    page = docgen.render_config_reference()
     for name, section in CORE_SECTIONS.items():
         assert f"## `{name}`" in page
         for field in section.__dataclass_fields__.values():
@@ -67,8 +65,8 @@ class DocsTestPlugin:
 def test_plugin_sections_are_documented_on_request() -> None:
     name = plugins.register(DocsTestPlugin(), name="core-test-docs")
     try:
-        core_only = reference.render_config_reference()
-        with_plugins = reference.render_config_reference(include_plugins=True)
+        core_only = docgen.render_config_reference()
+        with_plugins = docgen.render_config_reference(include_plugins=True)
     finally:
         plugins.unregister(name)
     assert "core_test_docs" not in core_only  # the committed page does not depend on plugins

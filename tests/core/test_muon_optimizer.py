@@ -11,13 +11,12 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from speedtronic.combined_optimizer import CombinedOptimizer
+from speedtronic.checkpoint.statecodec import decode, encode
 from speedtronic.config import OptimizerConfig, SchedulerConfig
 from speedtronic.errors import CheckpointError, ConfigError, SpeedtronicError
-from speedtronic.muon import muon_param_groups
-from speedtronic.optim import build_optimizer, build_scheduler
-from speedtronic.statecodec import decode, encode
-from speedtronic.trainer import reset_optimizer_state
+from speedtronic.optim import build_optimizer, build_scheduler, reset_optimizer_state
+from speedtronic.optim.combined import CombinedOptimizer
+from speedtronic.optim.muon import muon_param_groups
 from speedtronic_models import ReferenceTransformer
 
 CPU = torch.device("cpu")

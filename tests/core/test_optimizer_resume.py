@@ -11,8 +11,8 @@ import torch
 from core import toy_runs
 
 from speedtronic import hookimpl
-from speedtronic.cautious import CautiousOptimizer
-from speedtronic.combined_optimizer import CombinedOptimizer
+from speedtronic.optim.cautious import CautiousOptimizer
+from speedtronic.optim.combined import CombinedOptimizer
 from speedtronic.plugins import register, unregister
 
 OPTIONS = {

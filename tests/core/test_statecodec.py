@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load, save
 from torch import nn
 
-from speedtronic import statecodec
-from speedtronic.statecodec import StateDecodeError
+from speedtronic.checkpoint import statecodec
+from speedtronic.checkpoint.statecodec import StateDecodeError
 
 
 def roundtrip(tree: Any) -> Any:

@@ -320,12 +320,12 @@ def test_compile_failure_falls_back_to_eager_with_one_warning(tmp_path, caplog):
     compiled_events: list = []
     make_trainer(eager, make_config(tmp_path), eager_events).fit()
     trainer = make_trainer(compiled, make_config(tmp_path, compile=COMPILE), compiled_events)
-    assert trainer._compiled_model is not None
+    assert trainer.compiled.active
     with caplog.at_level(logging.WARNING, logger="speedtronic"):
         result = trainer.fit()
     warnings = [r for r in caplog.records if "torch.compile failed" in r.getMessage()]
     assert len(warnings) == 1 and "Unsupported" in warnings[0].getMessage()
-    assert trainer._compiled_model is None
+    assert not trainer.compiled.active
     assert result.steps == 4
     assert step_losses(compiled_events) == pytest.approx(step_losses(eager_events))
     assert torch.allclose(compiled.table.weight, eager.table.weight)
@@ -352,8 +352,8 @@ def test_compile_success_stays_compiled(tmp_path):
         make_config(tmp_path, run={"max_steps": 2}, compile={"enabled": True, "backend": "eager"}),
     )
     trainer.fit()
-    assert trainer._compiled_model is not None
-    assert type(trainer._compiled_model).__name__ == "OptimizedModule"
+    assert trainer.compiled.active
+    assert type(trainer.compiled.compiled).__name__ == "OptimizedModule"
 
 
 def test_compile_unavailable_trains_eagerly(tmp_path, monkeypatch, caplog):
@@ -363,7 +363,7 @@ def test_compile_unavailable_trains_eagerly(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(torch, "compile", unavailable)
     with caplog.at_level(logging.WARNING, logger="speedtronic"):
         trainer = make_trainer(Bigram(), make_config(tmp_path, compile={"enabled": True}))
-    assert trainer._compiled_model is None
+    assert not trainer.compiled.active
     assert any("no compiler here" in r.getMessage() for r in caplog.records)
     assert trainer.fit().steps == 4
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from speedtronic.fileio import atomic_write_bytes
+from speedtronic.checkpoint.fileio import atomic_write_bytes
 from speedtronic_diloco.config import DistributedConfig
 from speedtronic_diloco.transport import (
     GLOBAL_WEIGHTS,

@@ -52,7 +52,7 @@ class OuterStepPlugin:
         if step == self.fail_at:
             raise RuntimeError(f"injected failure at step {step}")
         if step % 3 == 0:
-            trainer.metrics.emit(
+            trainer.emit(
                 "outer_step",
                 {
                     "step": step,

@@ -50,6 +50,8 @@ _CORE_LAZY = {
     "MetricLogger": "speedtronic.metrics",
     "train_from_config": "speedtronic.runtime",
     "build_runtime": "speedtronic.runtime",
+    "TrainingParts": "speedtronic.parts",
+    "build_parts": "speedtronic.parts",
 }
 
 

@@ -84,19 +84,15 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def _add_plugin_commands(sub: argparse._SubParsersAction) -> None:
-    from speedtronic.plugins import get_plugin_manager
+    from speedtronic.plugins import call_each, get_plugin_manager
 
-    # One implementation at a time: a plugin that breaks here loses its commands, not the CLI.
-    for impl in get_plugin_manager().hook.register_commands.get_hookimpls():
-        try:
-            impl.function(*[{"subparsers": sub}[name] for name in impl.argnames])
-        except Exception as exc:
-            log.warning(
-                "plugin %r could not add its commands (%s: %s)",
-                impl.plugin_name,
-                type(exc).__name__,
-                exc,
-            )
+    def lose_commands(plugin_name: str, exc: Exception) -> None:
+        # A plugin that breaks here loses its commands, not the CLI.
+        log.warning(
+            "plugin %r could not add its commands (%s: %s)", plugin_name, type(exc).__name__, exc
+        )
+
+    call_each(get_plugin_manager().hook.register_commands, {"subparsers": sub}, lose_commands)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -273,22 +273,21 @@ RUN_ALIASES = ("name", "max_steps", "output_dir", "seed", "device")
 
 def plugin_sections() -> dict[str, type]:
     """Config sections contributed by the loaded plugins (name -> dataclass)."""
-    from speedtronic.plugins import get_plugin_manager
+    from speedtronic.plugins import call_each, get_plugin_manager
 
     sections: dict[str, type] = {}
     owners: dict[str, str] = {}
     # Each implementation is called on its own so that an error can name the plugin.
-    for impl in get_plugin_manager().hook.config_sections.get_hookimpls():
-        contributed = impl.function()
+    for plugin_name, contributed in call_each(get_plugin_manager().hook.config_sections, {}):
         if contributed is None:
             continue
         if not isinstance(contributed, Mapping):
             raise PluginError(
-                f"plugin {impl.plugin_name!r}: config_sections must return a mapping, "
+                f"plugin {plugin_name!r}: config_sections must return a mapping, "
                 f"got {type(contributed).__name__}"
             )
         for name, cls in contributed.items():
-            where = f"plugin {impl.plugin_name!r}: config section {name!r}"
+            where = f"plugin {plugin_name!r}: config section {name!r}"
             if name in CORE_SECTIONS or name in TOP_LEVEL_KEYS or name in RUN_ALIASES:
                 raise PluginError(f"{where} would redefine a core key")
             if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
@@ -296,7 +295,7 @@ def plugin_sections() -> dict[str, type]:
             if name in sections and sections[name] is not cls:
                 raise PluginError(f"{where} is also contributed by plugin {owners[name]!r}")
             sections[name] = cls
-            owners[name] = impl.plugin_name
+            owners[name] = plugin_name
     return sections
 
 
@@ -431,7 +430,7 @@ class SpeedtronicConfig:
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the redacted config (YAML, or JSON for a ``.json`` path) atomically."""
-        from speedtronic.fileio import atomic_write_text
+        from speedtronic.checkpoint.fileio import atomic_write_text
 
         path = Path(path)
         text = self.to_json(redact=True) if path.suffix == ".json" else self.to_yaml(redact=True)

@@ -4,6 +4,10 @@ A plugin is any module or object carrying functions marked with :data:`hookimpl`
 match the specs below. Third-party distributions register a module through the entry-point
 group ``speedtronic``; implementations may accept any subset of a hook's arguments, by name.
 These docstrings are the hook reference: ``docs/hooks.md`` is generated from them.
+
+Every hook called during a run receives the run (``trainer``). A plugin keeps what it knows
+about a run in ``trainer.plugin_state[<plugin name>]``: a dict that is empty when ``fit``
+starts (before :func:`on_load_checkpoint`) and emptied after :func:`on_train_end`.
 """
 
 from __future__ import annotations
@@ -14,6 +18,21 @@ import pluggy
 
 hookspec = pluggy.HookspecMarker("speedtronic")
 hookimpl = pluggy.HookimplMarker("speedtronic")
+
+__all__ = [
+    "after_optimizer_step",
+    "build_model",
+    "config_sections",
+    "data_seed",
+    "hookimpl",
+    "hookspec",
+    "on_checkpoint",
+    "on_load_checkpoint",
+    "on_metric",
+    "on_train_end",
+    "on_train_start",
+    "register_commands",
+]
 
 
 @hookspec(firstresult=True)
@@ -80,12 +99,16 @@ def on_load_checkpoint(trainer: Any, state: dict[str, Any]) -> None:
 
 
 @hookspec
-def on_metric(event: str, payload: dict[str, Any]) -> None:
-    """Receive one metric event: ``"train_start"``, ``"step"``, ``"checkpoint"``,
-    ``"train_end"``, ``"optimizer_step_skipped"``, or a plugin event such as ``"outer_step"``.
+def on_metric(trainer: Any, event: str, payload: dict[str, Any]) -> None:
+    """Receive one metric event of the run ``trainer``: ``"train_start"``, ``"step"``,
+    ``"checkpoint"``, ``"train_end"``, ``"optimizer_step_skipped"``, ``"resumed"``,
+    ``"already_finished"``, or a plugin event such as ``"outer_step"``.
 
     ``payload`` is a mapping of JSON-compatible values that carries ``step`` where one applies;
-    do not mutate it. An exception here is logged once per plugin and never stops training.
+    do not mutate it. Keep per-run sinks in ``trainer.plugin_state[<your name>]``, so two runs in
+    one process never see each other's events. An implementation written as
+    ``on_metric(event, payload)`` (without the run) still receives every event. An exception
+    here is logged once per plugin and never stops training.
     """
 
 

@@ -16,7 +16,8 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
@@ -203,17 +204,88 @@ def import_hook(path: str) -> Any:
     return target() if isinstance(target, type) else target
 
 
-class MetricLogger:
-    """Fans each metric event out to its sinks and to the plugins' ``on_metric`` hook.
+def process_memory_mb(device: Any) -> float:
+    """CUDA peak allocated memory on GPU, resident set size of this process elsewhere."""
+    if device.type == "cuda":
+        import torch
 
-    ``hooks`` are sinks: callables ``(event, payload)`` or objects with ``on_event`` (and an
-    optional ``close``). Every sink and plugin is called on its own, so one failing sink never
-    starves the others; a failure is warned about once per sink and never reaches the loop.
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        with open("/proc/self/statm") as handle:
+            pages = int(handle.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        # Peak rather than current RSS here; macOS reports bytes, Linux kilobytes.
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / (2**20 if sys.platform == "darwin" else 2**10)
+
+
+class ThroughputMeter:
+    """One log window of the loop: the summed loss (kept on the device, read once per window),
+    steps, samples and tokens, and the time spent training. Time inside :meth:`paused` (a
+    checkpoint save, an evaluation) is not training time and stays out of the rates."""
+
+    def __init__(self, device: Any) -> None:
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new window now."""
+        import torch
+
+        self.loss_sum = torch.zeros((), device=self.device)
+        self.steps = 0
+        self.samples = 0
+        self.tokens = 0
+        self.started = time.perf_counter()
+
+    def count_batch(self, samples: int, tokens: int) -> None:
+        """A consumed micro-batch (it counts even when its step is skipped)."""
+        self.samples += samples
+        self.tokens += tokens
+
+    def count_step(self, loss: Any) -> None:
+        """A completed optimizer step and its loss (a device scalar; no host sync here)."""
+        self.loss_sum += loss
+        self.steps += 1
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time spent inside does not count as training time."""
+        since = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.started += time.perf_counter() - since
+
+    def mean_loss(self) -> float:
+        """The window's mean step loss (one host sync)."""
+        return float(self.loss_sum.item() / max(self.steps, 1))
+
+    def rates(self) -> dict[str, float]:
+        """steps/samples/tokens per second over the window's training time."""
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        return {
+            "steps_per_sec": self.steps / elapsed,
+            "samples_per_sec": self.samples / elapsed,
+            "tokens_per_sec": self.tokens / elapsed,
+        }
+
+
+class MetricLogger:
+    """Fans each metric event out to its sinks: callables ``(event, payload)`` or objects with
+    ``on_event`` (and an optional ``close``).
+
+    Every sink is called on its own, so one failing sink never starves the others; a failure is
+    warned about once per sink and never reaches the loop. Plugins receive a run's events
+    through the ``on_metric`` hook, called by the run itself (:meth:`Trainer.emit
+    <speedtronic.trainer.Trainer.emit>`), so a logger used outside a trainer only feeds its sinks.
     """
 
-    def __init__(self, hooks: Iterable[Any] = (), *, plugin_manager: Any = None) -> None:
+    def __init__(self, hooks: Iterable[Any] = ()) -> None:
         self.sinks: list[EventSink] = [as_sink(h) for h in hooks]
-        self.plugin_manager = plugin_manager
         self._warned: set[str] = set()
 
     def add(self, sink: Any) -> None:
@@ -221,33 +293,23 @@ class MetricLogger:
         self.sinks.append(as_sink(sink))
 
     def emit(self, event: str, payload: dict[str, Any]) -> None:
-        """Deliver one event to every sink and plugin."""
+        """Deliver one event to every sink."""
         for sink in self.sinks:
             self._deliver(repr(sink), sink.on_event, event, payload)
-        if self.plugin_manager is None:
-            return
-        for impl in self.plugin_manager.hook.on_metric.get_hookimpls():
-            if getattr(impl, "hookwrapper", False) or getattr(impl, "wrapper", False):
-                continue  # wrappers only make sense around a full hook call
-            arguments = {"event": event, "payload": payload}
-            self._deliver(
-                f"plugin {impl.plugin_name}",
-                impl.function,
-                *(arguments[name] for name in impl.argnames),
+
+    def warn_once(self, label: str, exc: BaseException) -> None:
+        """Report a failing sink or plugin, once per ``label``."""
+        if label not in self._warned:
+            self._warned.add(label)
+            log.warning(
+                "metric sink %s failed (%s: %s); training continues", label, type(exc).__name__, exc
             )
 
     def _deliver(self, label: str, fn: Callable[..., Any], *args: Any) -> None:
         try:
             fn(*args)
         except Exception as exc:
-            if label not in self._warned:
-                self._warned.add(label)
-                log.warning(
-                    "metric sink %s failed (%s: %s); training continues",
-                    label,
-                    type(exc).__name__,
-                    exc,
-                )
+            self.warn_once(label, exc)
 
     def close(self) -> None:
         """Close every sink that has ``close()``; safe to call again (file sinks reopen if

@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
@@ -159,6 +160,34 @@ def _fail(name: str, dist_name: str, version: str, error: str) -> None:
         dist_name,
         error.splitlines()[0] if error else "unknown error",
     )
+
+
+def call_each(
+    caller: Any,
+    arguments: dict[str, Any],
+    on_error: Callable[[str, Exception], None] | None = None,
+) -> list[tuple[str, Any]]:
+    """Call every implementation of one hook on its own, in pluggy's order (newest first).
+
+    Returns ``(plugin name, result)`` pairs. With ``on_error``, an implementation that raises is
+    reported as ``on_error(plugin_name, exc)`` and the others still run (per-plugin failure
+    isolation, which a plain ``pm.hook.x(...)`` call does not give); without it the exception
+    propagates. Each implementation receives the subset of ``arguments`` it names, as pluggy
+    passes them, so one written for fewer arguments keeps working.
+    """
+    results: list[tuple[str, Any]] = []
+    for impl in reversed(caller.get_hookimpls()):
+        if getattr(impl, "hookwrapper", False) or getattr(impl, "wrapper", False):
+            continue  # wrappers only make sense around a full hook call
+        args = [arguments[name] for name in impl.argnames]
+        if on_error is None:
+            results.append((impl.plugin_name, impl.function(*args)))
+            continue
+        try:
+            results.append((impl.plugin_name, impl.function(*args)))
+        except Exception as exc:
+            on_error(impl.plugin_name, exc)
+    return results
 
 
 def get_plugin_manager() -> pluggy.PluginManager:

@@ -1,4 +1,9 @@
-"""From a config to a running trainer: ``build_runtime`` and ``train_from_config``."""
+"""From a config to a running trainer: ``build_runtime`` and ``train_from_config``.
+
+``build_runtime`` builds what the config names (the model through the ``build_model`` hook,
+the data, the metric sinks) and hands it to :func:`speedtronic.parts.build_parts`, the one
+place that turns a config into the trainer's parts.
+"""
 
 from __future__ import annotations
 
@@ -15,10 +20,19 @@ from torch import nn
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.data import DataSource, Tokenizer, build_dataloader
 from speedtronic.metrics import ConsoleSink, JsonlSink, MetricLogger, TextFileSink, import_hook
+from speedtronic.parts import build_parts
 from speedtronic.plugins import get_plugin_manager
 from speedtronic.registry import build_model_from_hook
 from speedtronic.shape_advice import warn_shape_advice
 from speedtronic.trainer import Trainer, TrainResult
+
+__all__ = [
+    "Runtime",
+    "build_metric_logger",
+    "build_runtime",
+    "seed_everything",
+    "train_from_config",
+]
 
 log = logging.getLogger("speedtronic.runtime")
 
@@ -42,12 +56,9 @@ def seed_everything(seed: int) -> None:
 
 
 def build_metric_logger(
-    config: SpeedtronicConfig,
-    hooks: Iterable[Any] = (),
-    plugin_manager: Any = None,
-    console: bool = True,
+    config: SpeedtronicConfig, hooks: Iterable[Any] = (), console: bool = True
 ) -> MetricLogger:
-    """stdout, optional text/JSONL files, ``logging.hooks`` and ``hooks``, plus plugins."""
+    """stdout, optional text/JSONL files, ``logging.hooks`` and ``hooks``."""
     sinks: list[Any] = []
     if console:
         sinks.append(ConsoleSink(config.run.max_steps, progress=config.logging.progress))
@@ -57,7 +68,7 @@ def build_metric_logger(
         sinks.append(JsonlSink(config.logging.json_file))
     sinks.extend(import_hook(path) for path in config.logging.hooks)
     sinks.extend(hooks)
-    return MetricLogger(sinks, plugin_manager=plugin_manager)
+    return MetricLogger(sinks)
 
 
 def build_runtime(
@@ -93,9 +104,10 @@ def build_runtime(
         seed=adjusted if adjusted is not None else seed,
     )
     log.info("data: %s", data.description)
-    metrics = build_metric_logger(config, hooks, pm, console)
+    metrics = build_metric_logger(config, hooks, console)
     try:
-        trainer = Trainer(model, config, data=data, metric_logger=metrics, plugin_manager=pm)
+        parts = build_parts(config, model, data, metric_logger=metrics, plugin_manager=pm)
+        trainer = Trainer.from_parts(parts)
     except BaseException:
         metrics.close()
         raise

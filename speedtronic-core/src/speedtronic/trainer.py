@@ -1,9 +1,7 @@
-"""The training loop: accumulation, precision, compile fallback, hooks, metrics, checkpoints.
+"""The training loop: micro-batches, accumulation, precision, hooks, metrics, checkpoints.
 
-The trainer knows nothing about the model's architecture: any ``nn.Module`` that maps a batch to
-a loss works (a tensor, ``{"loss": ...}``, or ``(loss, ...)``). Dict batches are passed as
-keyword arguments and tuple batches as ``(inputs, labels)``.
-
+The trainer knows nothing about the model's architecture (see :mod:`speedtronic.batch` for what
+it accepts) and builds nothing itself: its parts come from :func:`speedtronic.parts.build_parts`.
 The loss is summed on the device and read once per ``logging.log_every`` steps, so the loop
 issues no host sync per micro-batch.
 """
@@ -12,9 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import random
-import sys
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -22,17 +17,20 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-from speedtronic.checkpoint import CheckpointManager
-from speedtronic.combined_optimizer import reset_optimizer_state
+from speedtronic.batch import batch_size_and_tokens, call_model, loss_of, move_to
+from speedtronic.checkpoint import CheckpointManager, rng_state, set_rng_state
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.data import DataSource, repeat_epochs
 from speedtronic.errors import CheckpointError, DataError, SpeedtronicError
-from speedtronic.metrics import MetricLogger
-from speedtronic.precision import Precision, resolve_device, resolve_precision
+from speedtronic.metrics import MetricLogger, ThroughputMeter, process_memory_mb
+from speedtronic.optim import reset_optimizer_state
+from speedtronic.parts import TrainingParts, build_parts
+from speedtronic.plugins import call_each
+
+__all__ = ["MAX_CONSECUTIVE_SKIPS", "STATE_FORMAT", "TrainResult", "Trainer"]
 
 log = logging.getLogger("speedtronic.trainer")
 
@@ -50,87 +48,6 @@ class TrainResult:
     summary: dict[str, Any] = field(default_factory=dict)
 
 
-def loss_of(output: Any) -> torch.Tensor:
-    """Pick the scalar loss out of a model's output (tensor, ``{"loss"}`` mapping, or tuple)."""
-    loss = _pick_loss(output)
-    if loss.numel() != 1:
-        raise SpeedtronicError(
-            f"the model's loss must be a scalar, got a tensor of shape {list(loss.shape)}; "
-            "reduce it (e.g. .mean()) inside the model"
-        )
-    return loss.reshape(())
-
-
-def _pick_loss(output: Any) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, dict):
-        if "loss" not in output:
-            raise SpeedtronicError(
-                "the model returned a dict without a 'loss' key; return a loss tensor, "
-                "{'loss': ...}, or (loss, ...)"
-            )
-        return output["loss"]
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
-    raise SpeedtronicError(
-        f"the model returned {type(output).__name__}; expected a loss tensor, {{'loss': ...}} "
-        "or (loss, ...)"
-    )
-
-
-def call_model(model: Any, batch: Any) -> Any:
-    """Dict batches go in as kwargs, (inputs, labels) tuples positionally, tensors as is."""
-    if isinstance(batch, dict):
-        return model(**batch)
-    if isinstance(batch, (tuple, list)):
-        return model(*batch[:2])
-    return model(batch)
-
-
-def move_to(batch: Any, device: torch.device) -> Any:
-    """``batch`` (tensor, or dict/list/tuple of them) on ``device``; other values unchanged."""
-    non_blocking = device.type == "cuda"
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=non_blocking)
-    if isinstance(batch, dict):
-        return {k: move_to(v, device) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(move_to(v, device) for v in batch)
-    return batch
-
-
-def batch_size_and_tokens(batch: Any) -> tuple[int, int]:
-    """Samples and token positions in a micro-batch, from shapes only (no device sync)."""
-    first = batch.get("input_ids") if isinstance(batch, dict) else None
-    if first is None:
-        if isinstance(batch, dict):
-            first = next((v for v in batch.values() if isinstance(v, torch.Tensor)), None)
-        elif isinstance(batch, (tuple, list)):
-            first = batch[0]
-        else:
-            first = batch
-    if not isinstance(first, torch.Tensor) or first.ndim == 0:
-        return 1, 1
-    return int(first.shape[0]), int(first.numel())
-
-
-def process_memory_mb(device: torch.device) -> float:
-    """CUDA peak allocated memory on GPU, resident set size of this process elsewhere."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    try:
-        with open("/proc/self/statm") as handle:
-            pages = int(handle.read().split()[1])
-        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except (OSError, ValueError, IndexError):
-        import resource
-
-        # Peak rather than current RSS here; macOS reports bytes, Linux kilobytes.
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return peak / (2**20 if sys.platform == "darwin" else 2**10)
-
-
 # GradScaler halves its scale on every overflow; after this many skipped attempts in a row the
 # loss itself is not finite and retrying cannot help.
 MAX_CONSECUTIVE_SKIPS = 64
@@ -139,32 +56,18 @@ MAX_CONSECUTIVE_SKIPS = 64
 STATE_FORMAT = 1
 
 
-def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 class Trainer:
     """Runs optimizer steps on ``model`` until ``config.run.max_steps``.
 
     ``data`` is a :class:`~speedtronic.data.DataSource` (resumable) or any iterable of
-    micro-batches. ``optimizer``/``scheduler`` default to the config's; a given ``optimizer``
-    is wrapped with cautious masking when ``optimizer.cautious`` is set. Plugins come from
-    ``plugin_manager`` (the process-wide one by default).
+    micro-batches. Every other part defaults to what the config says (see
+    :func:`~speedtronic.parts.build_parts`); a given ``optimizer`` is wrapped with cautious
+    masking when ``optimizer.cautious`` is set. Plugins come from ``plugin_manager`` (the
+    process-wide one by default).
+
+    ``plugin_state`` is the per-run home of plugins: a dict, empty when ``fit`` starts and
+    emptied after ``on_train_end``, where a plugin keeps what it knows about this run under its
+    own name (``trainer.plugin_state["diloco"]``).
     """
 
     def __init__(
@@ -180,76 +83,61 @@ class Trainer:
         device: torch.device | None = None,
         checkpoints: CheckpointManager | None = None,
     ) -> None:
-        from speedtronic.optim import build_optimizer, build_scheduler
-        from speedtronic.plugins import get_plugin_manager
-
-        self.config = config
-        self.device = device or resolve_device(config.run.device)
-        self.model = model.to(self.device)
-        self.precision: Precision = resolve_precision(config.precision.mode, self.device)
-        if optimizer is None:
-            optimizer = build_optimizer(self.model, config.optimizer, self.device)
-        elif config.optimizer.cautious:
-            # `optimizer.cautious` wraps a caller's (third-party) optimizer the same way as a
-            # configured one; one the caller already wrapped is kept as it is.
-            from speedtronic.cautious import CautiousOptimizer
-
-            if not isinstance(optimizer, CautiousOptimizer):
-                log.info("cautious masking on around %s", type(optimizer).__name__)
-                optimizer = CautiousOptimizer(optimizer)
-        self.optimizer = optimizer
-        self.scheduler = (
-            scheduler
-            if scheduler is not None
-            else build_scheduler(self.optimizer, config.scheduler, config.run.max_steps)
+        self._adopt(
+            build_parts(
+                config,
+                model,
+                data,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                metric_logger=metric_logger,
+                plugin_manager=plugin_manager,
+                device=device,
+                checkpoints=checkpoints,
+            )
         )
-        self.plugin_manager = plugin_manager if plugin_manager is not None else get_plugin_manager()
-        self.metrics = metric_logger or MetricLogger()
-        if self.metrics.plugin_manager is None:
-            # Plugins' on_metric must see every event, also with a caller-built logger.
-            self.metrics.plugin_manager = self.plugin_manager
-        self.data = data
-        self.checkpoints = checkpoints or CheckpointManager(
-            config.checkpoint_dir, config.checkpoint.keep_last
-        )
-        self.scaler = self.precision.grad_scaler(self.device)
-        self.accumulation_steps = config.data.accumulation_steps
+
+    @classmethod
+    def from_parts(cls, parts: TrainingParts) -> Trainer:
+        """A trainer over parts that :func:`~speedtronic.parts.build_parts` made."""
+        trainer = cls.__new__(cls)
+        trainer._adopt(parts)
+        return trainer
+
+    def _adopt(self, parts: TrainingParts) -> None:
+        self.config = parts.config
+        self.device = parts.device
+        self.model = parts.model
+        self.precision = parts.precision
+        self.optimizer = parts.optimizer
+        self.scheduler = parts.scheduler
+        self.plugin_manager = parts.plugin_manager
+        self.metrics = parts.metrics
+        self.data = parts.data
+        self.checkpoints = parts.checkpoints
+        self.scaler = parts.scaler
+        self.compiled = parts.compiled
+        self.accumulation_steps = self.config.data.accumulation_steps
         self.reset_optimizer_on_weight_replace = True
+        self.plugin_state: dict[str, Any] = {}
         self.step = 0
         self.samples_seen = 0
         self.tokens_seen = 0
         self.weights_replaced = 0
         self.resumed_from: int | None = None
         self._resumed_rng: dict[str, Any] | None = None
-        # The torch.compile'd model while compiling works; None means eager.
-        self._compiled_model: Any = None
         self._consecutive_skips = 0
-        self._configure_model()
 
-    # ------------------------------------------------------------------ setup
-    def _configure_model(self) -> None:
-        if self.config.gradient_checkpointing:
-            setter = getattr(self.model, "set_gradient_checkpointing", None)
-            if callable(setter):
-                setter(True)
-            else:
-                log.warning(
-                    "gradient_checkpointing is on but %s has no set_gradient_checkpointing(); "
-                    "training without it",
-                    type(self.model).__name__,
-                )
-        if self.config.compile.enabled:
-            options = self.config.compile
-            try:
-                self._compiled_model = torch.compile(
-                    self.model,
-                    backend=options.backend,
-                    mode=None if options.mode == "default" else options.mode,
-                    fullgraph=options.fullgraph,
-                    dynamic=options.dynamic,
-                )
-            except Exception as exc:  # torch.compile itself is unavailable here
-                log.warning("torch.compile is unavailable (%s); training eagerly", exc)
+    # ------------------------------------------------------------------ events
+    def emit(self, event: str, payload: dict[str, Any]) -> None:
+        """Send one metric event of this run to its sinks and to every plugin's ``on_metric``
+        (a failing plugin is warned about once and never stops training)."""
+        self.metrics.emit(event, payload)
+        call_each(
+            self.plugin_manager.hook.on_metric,
+            {"trainer": self, "event": event, "payload": payload},
+            lambda name, exc: self.metrics.warn_once(f"plugin {name}", exc),
+        )
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -317,7 +205,7 @@ class Trainer:
         """Durably write a checkpoint of the current state; returns its directory."""
         path = self.checkpoints.save(self.step, self.state_dict())
         log.debug("checkpoint at step %d: %s", self.step, path)
-        self.metrics.emit("checkpoint", {"step": self.step, "path": str(path)})
+        self.emit("checkpoint", {"step": self.step, "path": str(path)})
         return path
 
     def _resume(self) -> None:
@@ -337,7 +225,7 @@ class Trainer:
         log.info(
             "resumed from %s (step %d of %d)", loaded.path, loaded.step, self.config.run.max_steps
         )
-        self.metrics.emit("resumed", {"step": loaded.step, "path": str(loaded.path)})
+        self.emit("resumed", {"step": loaded.step, "path": str(loaded.path)})
 
     def _restore_resumed_rng(self) -> None:
         """Re-apply a resumed RNG state after the data iterator was created.
@@ -400,23 +288,10 @@ class Trainer:
         return losses[0].float()
 
     def _step_loss(self, batches: list[Any]) -> torch.Tensor:
-        if self._compiled_model is None:
-            return self._forward_backward(batches, self.model)
-        try:
-            return self._forward_backward(batches, self._compiled_model)
-        except Exception as exc:
-            # Keep only a description: the exception's traceback pins the failed attempt's
-            # activations in memory.
-            lines = str(exc).strip().splitlines()
-            failure = f"{type(exc).__name__}: {lines[0] if lines else ''}"
-        # Re-run the same micro-batches eagerly, outside the except block: if eager execution
-        # fails too, the model itself is wrong and its own error, not the compiler's, reaches
-        # the user. Only when eager succeeds was it the compiler's failure.
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self._forward_backward(batches, self.model)
-        log.warning("torch.compile failed (%s); continuing eagerly", failure)
-        self._compiled_model = None
-        return loss
+        return self.compiled.run(
+            lambda model: self._forward_backward(batches, model),
+            reset=lambda: self.optimizer.zero_grad(set_to_none=True),
+        )
 
     def _optimizer_step(self, want_norm: bool = True) -> tuple[bool, torch.Tensor | None]:
         """Clip and step. Returns (stepped, grad_norm); stepped is False after a GradScaler
@@ -440,6 +315,13 @@ class Trainer:
 
     def fit(self) -> TrainResult:
         """Train until ``run.max_steps`` (a global target: a resumed run continues to it)."""
+        self.plugin_state = {}
+        try:
+            return self._fit()
+        finally:
+            self.plugin_state = {}
+
+    def _fit(self) -> TrainResult:
         self.model.train()
         if self.config.checkpoint.resume:
             try:
@@ -453,7 +335,7 @@ class Trainer:
         if self.step >= max_steps:
             message = f"run already finished: step {self.step} >= run.max_steps {max_steps}"
             log.info(message)
-            self.metrics.emit("already_finished", {"step": self.step, "max_steps": max_steps})
+            self.emit("already_finished", {"step": self.step, "max_steps": max_steps})
             self.metrics.close()
             return TrainResult(
                 self.step,
@@ -469,7 +351,7 @@ class Trainer:
         final_loss: float | None = None
         try:
             self.plugin_manager.hook.on_train_start(trainer=self)
-            self.metrics.emit(
+            self.emit(
                 "train_start",
                 {
                     "step": self.step,
@@ -478,7 +360,7 @@ class Trainer:
                     "device": self.device.type,
                     "precision": self.precision.mode,
                     "accumulation_steps": self.accumulation_steps,
-                    "compiled": self._compiled_model is not None,
+                    "compiled": self.compiled.active,
                     "config": self.config.to_dict(redact=True),
                 },
             )
@@ -501,7 +383,7 @@ class Trainer:
             }
             # train_end goes out before the hooks so that sinks closing in on_train_end
             # still record the summary.
-            self.metrics.emit("train_end", summary)
+            self.emit("train_end", summary)
             try:
                 self.plugin_manager.hook.on_train_end(trainer=self, error=error)
             finally:
@@ -524,11 +406,7 @@ class Trainer:
         log_every = self.config.logging.log_every
         batches = self._batches()
         self._restore_resumed_rng()
-        window_loss = torch.zeros((), device=self.device)
-        window_steps = 0
-        window_samples = 0
-        window_tokens = 0
-        window_start = time.perf_counter()
+        meter = ThroughputMeter(self.device)
         last_loss: float | None = None
         while self.step < max_steps:
             micro = self._next_micro_batches(batches)
@@ -542,16 +420,14 @@ class Trainer:
                 samples, tokens = batch_size_and_tokens(batch)
                 self.samples_seen += samples
                 self.tokens_seen += tokens
-                window_samples += samples
-                window_tokens += tokens
+                meter.count_batch(samples, tokens)
             if not stepped:
                 self._skipped_step()
                 continue
             self._consecutive_skips = 0
             self.scheduler.step()
             self.step += 1
-            window_loss += step_loss
-            window_steps += 1
+            meter.count_step(step_loss)
 
             replaced = self.plugin_manager.hook.after_optimizer_step(
                 trainer=self, model=self.model, step=self.step
@@ -562,39 +438,33 @@ class Trainer:
                     reset_optimizer_state(self.optimizer)
 
             if self.step % log_every == 0 or self.step == max_steps:
-                last_loss = float(window_loss.item() / window_steps)
+                last_loss = meter.mean_loss()
                 if not math.isfinite(last_loss):
                     log.warning("the loss is %s at step %d", last_loss, self.step)
-                elapsed = max(time.perf_counter() - window_start, 1e-9)
-                self.metrics.emit(
+                self.emit(
                     "step",
                     {
                         "step": self.step,
                         "loss": last_loss,
                         "lr": float(self.optimizer.param_groups[0]["lr"]),
                         "grad_norm": float(grad_norm.item()) if grad_norm is not None else None,
-                        "steps_per_sec": window_steps / elapsed,
-                        "samples_per_sec": window_samples / elapsed,
-                        "tokens_per_sec": window_tokens / elapsed,
+                        **meter.rates(),
                         "memory_mb": process_memory_mb(self.device),
                         "samples": self.samples_seen,
                         "tokens": self.tokens_seen,
                     },
                 )
-                window_loss = torch.zeros((), device=self.device)
-                window_steps = window_samples = window_tokens = 0
-                window_start = time.perf_counter()
+                meter.reset()
             if self._saved_at(self.step):
-                saving_since = time.perf_counter()
-                self.save_checkpoint()
                 # Checkpoint time is not training time: keep it out of the step rates.
-                window_start += time.perf_counter() - saving_since
+                with meter.paused():
+                    self.save_checkpoint()
         return last_loss
 
     def _skipped_step(self) -> None:
         """Report a GradScaler overflow; the step, scheduler and plugins do not advance."""
         self._consecutive_skips += 1
-        self.metrics.emit(
+        self.emit(
             "optimizer_step_skipped",
             {
                 "step": self.step,

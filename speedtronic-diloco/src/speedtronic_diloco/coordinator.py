@@ -28,8 +28,8 @@ from typing import Any
 
 from torch import nn
 
+from speedtronic.checkpoint.fileio import sha256_file
 from speedtronic.errors import TransportError
-from speedtronic.fileio import sha256_file
 from speedtronic_diloco.config import DistributedConfig, distributed_config
 from speedtronic_diloco.identity import resolve_node_id
 from speedtronic_diloco.lanes import Lane

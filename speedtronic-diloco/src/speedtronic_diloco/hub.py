@@ -45,7 +45,7 @@ from huggingface_hub.errors import (
 from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
-from speedtronic.fileio import atomic_writer
+from speedtronic.checkpoint.fileio import atomic_writer
 from speedtronic_diloco import __version__
 from speedtronic_diloco.hub_errors import classify, redact
 from speedtronic_diloco.hub_session import hub_call

@@ -90,7 +90,7 @@ def on_train_start(trainer: Any) -> None:
             section,
             trainer.model,
             state_dir=state_dir_for(trainer.config, section),
-            logger=trainer.metrics,
+            logger=trainer,
         )
         _coordinators[trainer] = coordinator
     pending = _pending_state.pop(trainer, None)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from speedtronic.fileio import atomic_write_bytes, atomic_writer, fsync_dir
+from speedtronic.checkpoint.fileio import atomic_write_bytes, atomic_writer, fsync_dir
 from speedtronic_diloco.identity import validate_node_id
 from speedtronic_diloco.transport import (
     GLOBAL_METADATA,

@@ -15,8 +15,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from speedtronic.checkpoint.fileio import atomic_write_with
 from speedtronic.errors import SpeedtronicError
-from speedtronic.fileio import atomic_write_with
 
 log = logging.getLogger("speedtronic.diloco")
 

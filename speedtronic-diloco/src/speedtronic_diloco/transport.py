@@ -24,8 +24,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from speedtronic.checkpoint.fileio import sha256_file
 from speedtronic.errors import TransportError
-from speedtronic.fileio import sha256_file
 from speedtronic_diloco.identity import is_valid_node_id
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""Optimizer and learning-rate schedule construction from the config.
+"""AdamW and the parameter grouping shared by every configured optimizer.
 
 Parameter grouping: weight matrices decay; 1-D parameters (norm weights, biases) and
 embeddings do not, unless ``optimizer.decay_norms_and_biases`` is set. The grouping is logged at
@@ -8,15 +8,15 @@ startup and a custom model can override it by defining ``optimizer_param_groups(
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from speedtronic.config import OptimizerConfig, SchedulerConfig
+from speedtronic.config import OptimizerConfig
 from speedtronic.errors import SpeedtronicError
+
+__all__ = ["build_adamw", "decay_groups", "embedding_param_ids", "log_groups"]
 
 log = logging.getLogger("speedtronic.optim")
 
@@ -89,48 +89,3 @@ def log_groups(optimizer: torch.optim.Optimizer) -> None:
             len(group["params"]),
             f" [{', '.join(names[:6])}{', ...' if len(names) > 6 else ''}]" if names else "",
         )
-
-
-def build_optimizer(
-    model: nn.Module, config: OptimizerConfig, device: torch.device
-) -> torch.optim.Optimizer:
-    """The configured optimizer over ``model``'s trainable parameters."""
-    if config.name == "muon":
-        from speedtronic.muon import build_muon_optimizer
-
-        optimizer: torch.optim.Optimizer = build_muon_optimizer(model, config, device)
-    else:
-        custom = getattr(model, "optimizer_param_groups", None)
-        groups = custom(config) if callable(custom) else decay_groups(model, config)
-        optimizer = build_adamw(groups, config, device)
-        log_groups(optimizer)
-    if config.cautious:
-        from speedtronic.cautious import CautiousOptimizer
-
-        log.info("cautious masking on around %s", type(optimizer).__name__)
-        optimizer = CautiousOptimizer(optimizer)
-    return optimizer
-
-
-def lr_lambda(config: SchedulerConfig, max_steps: int) -> Callable[[int], float]:
-    """The multiplier of the peak lr at optimizer step ``step`` (0-based)."""
-    horizon = config.total_steps or max_steps
-    warmup = config.warmup_steps
-    floor = config.min_lr_ratio
-
-    def factor(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        if config.name == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, horizon - warmup))
-        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return factor
-
-
-def build_scheduler(
-    optimizer: torch.optim.Optimizer, config: SchedulerConfig, max_steps: int
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """Warmup then cosine (to ``min_lr_ratio``) or constant, over ``total_steps`` or max_steps."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config, max_steps))

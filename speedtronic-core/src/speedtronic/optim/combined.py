@@ -20,6 +20,8 @@ import torch
 
 from speedtronic.errors import CheckpointError
 
+__all__ = ["CombinedOptimizer", "PartsState", "reset_optimizer_state"]
+
 _FORMAT = "combined_optimizer"
 
 

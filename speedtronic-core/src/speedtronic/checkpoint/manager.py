@@ -35,9 +35,21 @@ from typing import Any
 
 from safetensors.torch import load_file, save_file
 
-from speedtronic import statecodec
+from speedtronic.checkpoint import statecodec
+from speedtronic.checkpoint.fileio import atomic_write_text, fsync_dir, fsync_file, sha256_chunks
 from speedtronic.errors import CheckpointError
-from speedtronic.fileio import atomic_write_text, fsync_dir, fsync_file, sha256_chunks
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "POINTER",
+    "STATE",
+    "TENSORS",
+    "CheckpointManager",
+    "LoadedCheckpoint",
+    "checkpoint_name",
+    "step_of",
+]
 
 log = logging.getLogger("speedtronic.checkpoint")
 

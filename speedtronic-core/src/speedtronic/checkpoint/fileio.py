@@ -15,6 +15,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
 
+__all__ = [
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "atomic_write_with",
+    "atomic_writer",
+    "fsync_dir",
+    "fsync_file",
+    "sha256_chunks",
+    "sha256_file",
+]
+
 
 def fsync_dir(directory: str | os.PathLike[str]) -> None:
     """Make a rename or unlink inside ``directory`` durable (a no-op where unsupported)."""

@@ -7,7 +7,7 @@ are kept and multiplied by ``numel / kept`` (one over the kept fraction, floored
 update's overall size per tensor stays about what the base optimizer intended.
 
 Weight decay: for ``torch.optim.AdamW`` and ``torch.optim.Muon`` (also inside a
-:class:`~speedtronic.combined_optimizer.CombinedOptimizer`) the wrapper applies their decoupled
+:class:`~speedtronic.optim.combined.CombinedOptimizer`) the wrapper applies their decoupled
 weight decay itself, outside the mask, as the paper does. Any other optimizer is a black box: the
 mask sees its *complete* update, decoupled weight decay included, so decay can be masked (and
 rescaled) with the gradient step. The wrapper assumes minimisation (no ``maximize=True``).
@@ -23,7 +23,9 @@ from typing import Any
 
 import torch
 
-from speedtronic.combined_optimizer import CombinedOptimizer, reset_optimizer_state
+from speedtronic.optim.combined import CombinedOptimizer, reset_optimizer_state
+
+__all__ = ["CautiousOptimizer", "cautious_mask_"]
 
 # Floor of the kept fraction: a tensor where almost everything is masked gets at most this
 # much amplification of what is left.

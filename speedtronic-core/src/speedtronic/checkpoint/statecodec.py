@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+__all__ = ["StateDecodeError", "decode", "encode"]
+
 _TENSOR = "__tensor__"
 _TUPLE = "__tuple__"
 _KEYED = "__keyed__"

@@ -2,8 +2,8 @@
 
 The committed pages are regenerated with::
 
-    python -m speedtronic.reference config > docs/configuration.md
-    python -m speedtronic.reference hooks > docs/hooks.md
+    python -m speedtronic.docgen config > docs/configuration.md
+    python -m speedtronic.docgen hooks > docs/hooks.md
 
 and a test fails when either page differs from what the code says. ``config --plugins`` also
 documents the sections of the plugins installed here (not committed: it depends on them).
@@ -24,8 +24,8 @@ from speedtronic import config as config_module
 from speedtronic import hookspecs
 from speedtronic.schema import BOUNDS, describe_type, field_hints
 
-CONFIG_COMMAND = "python -m speedtronic.reference config > docs/configuration.md"
-HOOKS_COMMAND = "python -m speedtronic.reference hooks > docs/hooks.md"
+CONFIG_COMMAND = "python -m speedtronic.docgen config > docs/configuration.md"
+HOOKS_COMMAND = "python -m speedtronic.docgen hooks > docs/hooks.md"
 
 _CONFIG_INTRO = """\
 A run is described by one config: a YAML or JSON file, a YAML/JSON string, or a dict
@@ -174,7 +174,7 @@ def _plugin_sections_text() -> str:
         "`config.<section>`. This page documents core only, so that it does not depend on "
         "what happens to be installed; the distributions of this repository provide:\n\n"
         f"{listed}\n\n"
-        "`python -m speedtronic.reference config --plugins` prints this page with the sections "
+        "`python -m speedtronic.docgen config --plugins` prints this page with the sections "
         "of the plugins installed in your environment, and `speedtronic validate` shows every "
         "section with its defaults."
     )
@@ -250,8 +250,8 @@ def _generated_banner(command: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m speedtronic.reference {config,hooks} [--plugins]``."""
-    parser = argparse.ArgumentParser(prog="python -m speedtronic.reference")
+    """``python -m speedtronic.docgen {config,hooks} [--plugins]``."""
+    parser = argparse.ArgumentParser(prog="python -m speedtronic.docgen")
     parser.add_argument("page", choices=("config", "hooks"))
     parser.add_argument(
         "--plugins", action="store_true", help="include installed plugins' config sections"

@@ -27,10 +27,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from speedtronic.combined_optimizer import CombinedOptimizer
 from speedtronic.config import OptimizerConfig
 from speedtronic.errors import ConfigError, SpeedtronicError
-from speedtronic.optim import build_adamw, decay_groups, embedding_param_ids, log_groups
+from speedtronic.optim.adamw import build_adamw, decay_groups, embedding_param_ids, log_groups
+from speedtronic.optim.combined import CombinedOptimizer
+
+__all__ = [
+    "build_muon_optimizer",
+    "is_hidden_matrix",
+    "muon_class",
+    "muon_param_groups",
+    "output_head_param_ids",
+]
 
 log = logging.getLogger("speedtronic.optim")
 

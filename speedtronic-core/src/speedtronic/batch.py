@@ -1,0 +1,81 @@
+"""What the loop needs to know about a batch and a model's output, from shapes and types only.
+
+Any ``nn.Module`` that maps a batch to a loss works: a tensor, ``{"loss": ...}``, or
+``(loss, ...)``. Dict batches are passed as keyword arguments and tuple batches as
+``(inputs, labels)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from speedtronic.errors import SpeedtronicError
+
+__all__ = ["batch_size_and_tokens", "call_model", "loss_of", "move_to"]
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """Pick the scalar loss out of a model's output (tensor, ``{"loss"}`` mapping, or tuple)."""
+    loss = _pick_loss(output)
+    if loss.numel() != 1:
+        raise SpeedtronicError(
+            f"the model's loss must be a scalar, got a tensor of shape {list(loss.shape)}; "
+            "reduce it (e.g. .mean()) inside the model"
+        )
+    return loss.reshape(())
+
+
+def _pick_loss(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict):
+        if "loss" not in output:
+            raise SpeedtronicError(
+                "the model returned a dict without a 'loss' key; return a loss tensor, "
+                "{'loss': ...}, or (loss, ...)"
+            )
+        return output["loss"]
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise SpeedtronicError(
+        f"the model returned {type(output).__name__}; expected a loss tensor, {{'loss': ...}} "
+        "or (loss, ...)"
+    )
+
+
+def call_model(model: Any, batch: Any) -> Any:
+    """Dict batches go in as kwargs, (inputs, labels) tuples positionally, tensors as is."""
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch[:2])
+    return model(batch)
+
+
+def move_to(batch: Any, device: torch.device) -> Any:
+    """``batch`` (tensor, or dict/list/tuple of them) on ``device``; other values unchanged."""
+    non_blocking = device.type == "cuda"
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, dict):
+        return {k: move_to(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(move_to(v, device) for v in batch)
+    return batch
+
+
+def batch_size_and_tokens(batch: Any) -> tuple[int, int]:
+    """Samples and token positions in a micro-batch, from shapes only (no device sync)."""
+    first = batch.get("input_ids") if isinstance(batch, dict) else None
+    if first is None:
+        if isinstance(batch, dict):
+            first = next((v for v in batch.values() if isinstance(v, torch.Tensor)), None)
+        elif isinstance(batch, (tuple, list)):
+            first = batch[0]
+        else:
+            first = batch
+    if not isinstance(first, torch.Tensor) or first.ndim == 0:
+        return 1, 1
+    return int(first.shape[0]), int(first.numel())

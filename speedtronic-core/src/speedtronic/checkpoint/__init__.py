@@ -1,0 +1,31 @@
+"""Checkpoints: the manager (atomic, verified, retained), the JSON+safetensors state codec,
+durable file writes, and the process RNG state they carry."""
+
+from __future__ import annotations
+
+from speedtronic.checkpoint.manager import (
+    FORMAT_VERSION,
+    MANIFEST,
+    POINTER,
+    STATE,
+    TENSORS,
+    CheckpointManager,
+    LoadedCheckpoint,
+    checkpoint_name,
+    step_of,
+)
+from speedtronic.checkpoint.rng import rng_state, set_rng_state
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "POINTER",
+    "STATE",
+    "TENSORS",
+    "CheckpointManager",
+    "LoadedCheckpoint",
+    "checkpoint_name",
+    "rng_state",
+    "set_rng_state",
+    "step_of",
+]

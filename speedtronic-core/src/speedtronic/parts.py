@@ -1,0 +1,102 @@
+"""The composition root of a run: one function that turns a config into the trainer's parts.
+
+:func:`build_parts` is the only place that decides the device, the precision and its
+GradScaler, the optimizer (configured, or the caller's, wrapped in cautious masking when
+``optimizer.cautious`` asks), the schedule, the checkpoint manager, the metric logger, the
+plugin manager, gradient checkpointing and ``torch.compile``. :func:`speedtronic.runtime.
+build_runtime` calls it with the configured model and data; ``Trainer(model, config, ...)``
+calls it with whatever a Python user passed, so both ways build a run the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from speedtronic.checkpoint import CheckpointManager
+from speedtronic.compile import CompiledModel
+from speedtronic.config import SpeedtronicConfig
+from speedtronic.data import DataSource
+from speedtronic.metrics import MetricLogger
+from speedtronic.optim import build_optimizer, build_scheduler
+from speedtronic.precision import Precision, resolve_device, resolve_precision
+
+__all__ = ["TrainingParts", "build_parts"]
+
+log = logging.getLogger("speedtronic.trainer")
+
+
+@dataclass
+class TrainingParts:
+    """Everything a :class:`~speedtronic.trainer.Trainer` trains with."""
+
+    config: SpeedtronicConfig
+    model: nn.Module
+    data: DataSource | Iterable[Any]
+    device: torch.device
+    precision: Precision
+    scaler: torch.amp.GradScaler
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    checkpoints: CheckpointManager
+    metrics: MetricLogger
+    plugin_manager: Any
+    compiled: CompiledModel
+
+
+def build_parts(
+    config: SpeedtronicConfig,
+    model: nn.Module,
+    data: DataSource | Iterable[Any],
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    metric_logger: MetricLogger | None = None,
+    plugin_manager: Any = None,
+    device: torch.device | None = None,
+    checkpoints: CheckpointManager | None = None,
+) -> TrainingParts:
+    """The parts of a run over ``model`` and ``data``; any part given is used as it is."""
+    from speedtronic.plugins import get_plugin_manager
+
+    device = device or resolve_device(config.run.device)
+    model = model.to(device)
+    precision = resolve_precision(config.precision.mode, device)
+    optimizer = build_optimizer(model, config.optimizer, device, optimizer)
+    if scheduler is None:
+        scheduler = build_scheduler(optimizer, config.scheduler, config.run.max_steps)
+    _set_gradient_checkpointing(model, config.gradient_checkpointing)
+    return TrainingParts(
+        config=config,
+        model=model,
+        data=data,
+        device=device,
+        precision=precision,
+        scaler=precision.grad_scaler(device),
+        optimizer=optimizer,
+        scheduler=scheduler,
+        checkpoints=checkpoints
+        or CheckpointManager(config.checkpoint_dir, config.checkpoint.keep_last),
+        metrics=metric_logger if metric_logger is not None else MetricLogger(),
+        plugin_manager=plugin_manager if plugin_manager is not None else get_plugin_manager(),
+        compiled=CompiledModel(model, config.compile),
+    )
+
+
+def _set_gradient_checkpointing(model: nn.Module, enabled: bool) -> None:
+    if not enabled:
+        return
+    setter = getattr(model, "set_gradient_checkpointing", None)
+    if callable(setter):
+        setter(True)
+    else:
+        log.warning(
+            "gradient_checkpointing is on but %s has no set_gradient_checkpointing(); "
+            "training without it",
+            type(model).__name__,
+        )
