@@ -1,4 +1,4 @@
-"""Shared test setup: no network, no user caches, and tests/ importable (hub_emulator)."""
+"""Shared test setup: no network, no user caches, pinned plugins, tests/ importable."""
 
 from __future__ import annotations
 
@@ -15,6 +15,11 @@ os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
+
+# Load the first-party plugins only, never whatever else happens to be installed here (as llm
+# and datasette pin theirs); a test about discovery sets SPEEDTRONIC_LOAD_PLUGINS itself.
+FIRST_PARTY_PLUGINS = "speedtronic-models,speedtronic-diloco,speedtronic-logging"
+os.environ["SPEEDTRONIC_LOAD_PLUGINS"] = FIRST_PARTY_PLUGINS
 
 # The suite runs training processes side by side (master + workers, CLI subprocesses) on small
 # CI machines: one intra-op thread each avoids oversubscribing the cores. Subprocesses inherit

@@ -301,3 +301,32 @@ def test_hint_for_an_installed_distribution_that_does_not_provide_it(monkeypatch
 
 def test_no_hint_for_names_nobody_provides() -> None:
     assert plugins.missing_provider_hint("definitely_not_a_section") == ""
+
+
+def test_provider_tables_match_what_the_first_party_plugins_provide() -> None:
+    """PROVIDED_SECTIONS / PROVIDED_MODELS say which distribution to install; they must list
+    exactly what those distributions contribute, and the config reference page every section."""
+    from speedtronic.config import plugin_sections
+
+    manager = plugins.get_plugin_manager()
+    by_distribution = {row.name: row.distribution for row in plugins.list_plugins()}
+    sections: dict[str, str] = {}
+    for name in plugin_sections():
+        owner = next(
+            plugin_name
+            for plugin_name, contributed in plugins.call_each(manager.hook.config_sections, {})
+            if contributed and name in contributed
+        )
+        sections[name] = by_distribution[owner]
+    assert sections == plugins.PROVIDED_SECTIONS
+    models = {
+        model: by_distribution[name]
+        for name, plugin in manager.list_name_plugin()
+        for model in getattr(plugin, "MODEL_NAMES", ())
+        if by_distribution.get(name, "").startswith("speedtronic-")
+    }
+    assert models == plugins.PROVIDED_MODELS
+    assert not set(plugins.PROVIDED_SECTIONS) & set(plugins.PROVIDED_MODELS)
+    page = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
+    for section, distribution in plugins.PROVIDED_SECTIONS.items():
+        assert f"- `{section}`: from {distribution}" in page

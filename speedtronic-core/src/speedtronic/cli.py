@@ -19,6 +19,15 @@ from speedtronic import __version__
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.errors import SpeedtronicError
 
+__all__ = [
+    "EXIT_USER_ERROR",
+    "build_parser",
+    "cmd_plugins",
+    "cmd_train",
+    "cmd_validate",
+    "main",
+]
+
 log = logging.getLogger("speedtronic.cli")
 
 EXIT_USER_ERROR = 2

@@ -24,6 +24,14 @@ from speedtronic import config as config_module
 from speedtronic import hookspecs
 from speedtronic.schema import BOUNDS, describe_type, field_hints
 
+__all__ = [
+    "CONFIG_COMMAND",
+    "HOOKS_COMMAND",
+    "main",
+    "render_config_reference",
+    "render_hook_reference",
+]
+
 CONFIG_COMMAND = "python -m speedtronic.docgen config > docs/configuration.md"
 HOOKS_COMMAND = "python -m speedtronic.docgen hooks > docs/hooks.md"
 
@@ -38,8 +46,10 @@ A run is described by one config: a YAML or JSON file, a YAML/JSON string, or a 
 - `name`, `seed`, `device`, `max_steps` and `output_dir` may be given at the top level as
   shorthand for `run.*`.
 
-Secrets are written as `<redacted>` whenever a config is saved, printed by
-`speedtronic validate` or stored in a checkpoint. On the command line,
+Secrets are written as `<redacted>` whenever a config is saved (`SpeedtronicConfig.save`),
+printed by `speedtronic validate` or stored in a checkpoint. `to_dict()`, `to_yaml()` and
+`to_json()` return the real values unless called with `redact=True`, so code that needs the
+secret (a transport) can read it. On the command line,
 `--set dotted.key=value` overrides any key below (the value is parsed as YAML).
 """
 
@@ -162,11 +172,9 @@ def _default_text(field: dataclasses.Field) -> str:
 
 
 def _plugin_sections_text() -> str:
-    from speedtronic.plugins import KNOWN_PROVIDERS
+    from speedtronic.plugins import PROVIDED_SECTIONS
 
-    sections = sorted(
-        (key, dist) for key, dist in KNOWN_PROVIDERS.items() if key in _KNOWN_SECTION_KEYS
-    )
+    sections = sorted(PROVIDED_SECTIONS.items())
     listed = "\n".join(f"- `{key}`: from {dist} (`pip install {dist}`)" for key, dist in sections)
     return (
         "Installed plugins add their own top-level sections through the `config_sections` "
@@ -178,10 +186,6 @@ def _plugin_sections_text() -> str:
         "of the plugins installed in your environment, and `speedtronic validate` shows every "
         "section with its defaults."
     )
-
-
-# The KNOWN_PROVIDERS keys that are config sections (the others are model names).
-_KNOWN_SECTION_KEYS = ("distributed",)
 
 
 def render_hook_reference() -> str:

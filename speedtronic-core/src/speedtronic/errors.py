@@ -6,6 +6,15 @@ and keeps its traceback.
 
 from __future__ import annotations
 
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "DataError",
+    "PluginError",
+    "SpeedtronicError",
+    "TransportError",
+]
+
 
 class SpeedtronicError(Exception):
     """Base class of every error Speedtronic raises for a user-facing reason."""

@@ -23,6 +23,20 @@ from typing import Any, Protocol, TextIO
 
 from speedtronic.errors import ConfigError
 
+__all__ = [
+    "ConsoleSink",
+    "EventSink",
+    "JsonlSink",
+    "MetricLogger",
+    "TextFileSink",
+    "ThroughputMeter",
+    "as_sink",
+    "format_payload",
+    "import_hook",
+    "json_safe",
+    "process_memory_mb",
+]
+
 log = logging.getLogger("speedtronic.metrics")
 
 Hook = Callable[[str, dict[str, Any]], None]

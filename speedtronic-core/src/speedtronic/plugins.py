@@ -28,6 +28,29 @@ import pluggy
 
 from speedtronic import hookspecs
 
+__all__ = [
+    "CORE_DISTRIBUTION",
+    "DEFAULT_PLUGINS",
+    "ENTRY_POINT_GROUP",
+    "KNOWN_PROVIDERS",
+    "LOAD_PLUGINS_ENV",
+    "PROVIDED_MODELS",
+    "PROVIDED_SECTIONS",
+    "FailedPlugin",
+    "PluginInfo",
+    "call_each",
+    "get_plugin_manager",
+    "hook_names",
+    "list_plugins",
+    "load_filter",
+    "load_plugins",
+    "missing_provider_hint",
+    "normalize_distribution",
+    "pm",
+    "register",
+    "unregister",
+]
+
 log = logging.getLogger("speedtronic.plugins")
 
 ENTRY_POINT_GROUP = "speedtronic"
@@ -39,14 +62,18 @@ CORE_DISTRIBUTION = "speedtronic-core"
 # so a module-level sink would have to keep process-global state shared by every run.
 DEFAULT_PLUGINS: tuple[str, ...] = ("speedtronic.registry",)
 
-# Config sections and model names that first-party distributions provide, so an error can say
-# which distribution to install when one is used without it.
-KNOWN_PROVIDERS: dict[str, str] = {
+# What the first-party distributions provide, so an error can say which distribution to install
+# when a config uses it without that distribution: top-level config sections, and model names.
+PROVIDED_SECTIONS: dict[str, str] = {
     "distributed": "speedtronic-diloco",
     "wandb": "speedtronic-logging",
     "tensorboard": "speedtronic-logging",
+}
+PROVIDED_MODELS: dict[str, str] = {
     "reference_transformer": "speedtronic-models",
 }
+# Both tables in one, for look-ups that only need "who provides this key".
+KNOWN_PROVIDERS: dict[str, str] = {**PROVIDED_SECTIONS, **PROVIDED_MODELS}
 
 pm = pluggy.PluginManager("speedtronic")
 pm.add_hookspecs(hookspecs)

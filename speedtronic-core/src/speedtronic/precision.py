@@ -11,6 +11,17 @@ import torch
 
 from speedtronic.errors import ConfigError
 
+__all__ = [
+    "BF16",
+    "FP16",
+    "FP32",
+    "Precision",
+    "mps_available",
+    "resolve_device",
+    "resolve_precision",
+    "supports",
+]
+
 log = logging.getLogger("speedtronic.precision")
 
 

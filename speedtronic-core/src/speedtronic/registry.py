@@ -15,6 +15,15 @@ from typing import Any, TypeVar
 from speedtronic.errors import ConfigError, PluginError
 from speedtronic.hookspecs import hookimpl
 
+__all__ = [
+    "build_model",
+    "build_model_from_hook",
+    "known_model_names",
+    "register_model",
+    "registered_models",
+    "unregister_model",
+]
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 _FACTORIES: dict[str, Callable[..., Any]] = {}

@@ -21,6 +21,19 @@ from typing import Any, Literal, Union
 
 from speedtronic.errors import ConfigError
 
+__all__ = [
+    "BOUNDS",
+    "REDACTED",
+    "Section",
+    "build_section",
+    "coerce",
+    "describe_type",
+    "field_hints",
+    "option",
+    "section_to_dict",
+    "unknown_key_error",
+]
+
 _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}
 # The bounds option() accepts: (keyword, test, symbol), in the order they are checked and shown.

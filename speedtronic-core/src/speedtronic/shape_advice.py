@@ -18,6 +18,16 @@ from typing import Any
 
 from torch import nn
 
+__all__ = [
+    "SIZE_KEYS",
+    "TILE",
+    "ShapeAdvice",
+    "layer_dims",
+    "padded",
+    "shape_advice",
+    "warn_shape_advice",
+]
+
 log = logging.getLogger("speedtronic.shape_advice")
 
 TILE = 64
