@@ -15,8 +15,11 @@ EXAMPLES = ROOT / "examples"
 
 def test_train_reference_example_trains_both_models(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, str(EXAMPLES / "train_reference.py"), "--steps", "20"]
-        + ["--output-dir", str(tmp_path)],
+        [
+            sys.executable,
+            str(EXAMPLES / "train_reference.py"),
+            *("--steps", "20", "--output-dir", str(tmp_path)),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
