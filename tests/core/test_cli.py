@@ -172,7 +172,7 @@ def test_unknown_model_name(site: Path, tmp_path: Path) -> None:
     config = write_config(tmp_path, model={"name": "throwaway_mpl"})
     line = error_line(run_cli("train", "-c", str(config), env=plugin_env(site)))
     assert line.startswith("error: model.name: no plugin builds a model named 'throwaway_mpl'")
-    assert "did you mean 'throwaway_mlp'?" in line and "known models:" in line
+    assert "did you mean 'throwaway_mlp'?" in line and "Known models:" in line
 
 
 def test_missing_data_file(site: Path, tmp_path: Path) -> None:

@@ -11,8 +11,10 @@ import torch
 from core.toy_runs import data_config
 from torch.utils.data import Dataset, IterableDataset
 
-from speedtronic import DataError, SpeedtronicConfig, data
+from speedtronic import DataError, SpeedtronicConfig
 from speedtronic.data import build_dataloader
+from speedtronic.data import source as data_source
+from speedtronic.data import text as data_text
 
 
 class Numbers(Dataset):
@@ -86,7 +88,7 @@ def test_loader_options_are_honoured(monkeypatch):
             made.append(kwargs)
             super().__init__(dataset, **kwargs)
 
-    monkeypatch.setattr(data, "DataLoader", Recording)
+    monkeypatch.setattr(data_source, "DataLoader", Recording)
     config = data_config(micro_batch_size=2, num_workers=2, prefetch_factor=3, pin_memory=True)
     with pytest.warns(UserWarning, match="pin_memory"):  # no accelerator on a CPU machine
         next(build_dataloader(config, dataset=Numbers(8)).iterate(0))
@@ -123,7 +125,7 @@ def test_unreadable_text_path_names_the_path(tmp_path, monkeypatch):
     def refuse(file, *args, **kwargs):
         raise PermissionError(13, "Permission denied", str(file))
 
-    monkeypatch.setattr(data, "open", refuse, raising=False)  # root ignores chmod 000
+    monkeypatch.setattr(data_text, "open", refuse, raising=False)  # root ignores chmod 000
     with pytest.raises(DataError, match="cannot read") as info:
         build_dataloader(text_config(path), seq_len=8, vocab_size=256)
     assert str(path) in str(info.value)

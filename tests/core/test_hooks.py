@@ -233,6 +233,27 @@ def test_hook_on_train_end_receives_the_error(register: Register, tmp_path: Path
     assert plugin.error is caught.value
 
 
+def test_hook_on_train_end_of_every_plugin_runs_even_when_one_raises(
+    register: Register, tmp_path: Path
+) -> None:
+    released: list[str] = []
+
+    class Raises:
+        @hookimpl
+        def on_train_end(self) -> None:
+            raise RuntimeError("cleanup failed")
+
+    class Releases:
+        @hookimpl
+        def on_train_end(self, error: BaseException | None) -> None:
+            released.append("released" if error is None else "released after error")
+
+    register(Releases(), "core-test-releases")
+    register(Raises(), "core-test-raises")  # newer: called first
+    result = train_from_config(tiny_config(tmp_path), console=False)
+    assert result.steps == 4 and released == ["released"]
+
+
 def test_hook_on_metric(runs: RecordedRuns) -> None:
     events = runs.first.events
     names = [event for event, _ in events]

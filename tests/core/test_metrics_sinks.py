@@ -127,12 +127,36 @@ def test_console_shows_a_progress_bar_with_eta_on_a_terminal():
     sink = ConsoleSink(10, stream=stream)
     sink.on_event("train_start", {"step": 0, "start_step": 0, "max_steps": 10})
     for step in range(1, 11):
-        sink.on_event("step", {"step": step, "loss": 1.0 / step})
+        sink.on_event("step", {"step": step, "loss": 1.0 / step, "tokens_per_sec": 1234.0})
     sink.on_event("train_end", {"steps": 10})
     output = stream.getvalue()
-    assert "10/10" in output and "eta" in output and "loss 0.1000" in output
+    assert "10/10" in output and "eta" in output and "steps/s" in output
+    assert "loss 0.1000" in output and "tok/s 1,234" in output  # the live line
     assert "step step=" not in output  # steps drive the bar instead of printing lines
     assert "train_end steps=10" in output
+
+
+def test_the_bar_moves_every_optimizer_step_between_logged_steps(tmp_path):
+    """With log_every 50, a step event arrives only at step 50; the bar still sees every step."""
+    seen: list[int] = []
+
+    class ProgressProbe:
+        def on_event(self, event, payload):
+            pass
+
+        def on_progress(self, step):
+            seen.append(step)
+
+    config = SpeedtronicConfig.from_dict(
+        {
+            "run": {"device": "cpu", "max_steps": 12, "output_dir": str(tmp_path)},
+            "data": {"micro_batch_size": 2},
+            "checkpoint": {"save_final": False},
+            "logging": {"log_every": 50},
+        }
+    )
+    toy_trainer(Bigram(), config, [ProgressProbe()]).fit()
+    assert seen == list(range(1, 13))
 
 
 def test_hooks_may_be_callables_or_objects_and_a_failing_sink_is_isolated(caplog):

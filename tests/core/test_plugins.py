@@ -87,7 +87,7 @@ def test_entry_point_plugin_builds_its_model_through_the_hook(site: Path) -> Non
     # The unknown name is named, a close one suggested, and the known names listed.
     assert error.startswith("model.name: no plugin builds a model named 'throwaway_mpl'")
     assert "did you mean 'throwaway_mlp'?" in error
-    assert "known models:" in error and "throwaway_mlp" in error.split("known models:")[1]
+    assert "Known models:" in error and "throwaway_mlp" in error.split("Known models:")[1]
 
 
 def test_entry_point_metric_sink_receives_a_real_training_run(site: Path, tmp_path: Path) -> None:
@@ -237,7 +237,7 @@ def test_unknown_model_lists_known_names_and_suggests_one(in_process_model: str)
         speedtronic.build_model("core_test_lineer")
     assert caught.value.path == "model.name"
     assert "did you mean 'core_test_linear'?" in str(caught.value)
-    assert in_process_model in str(caught.value).split("known models:")[1]
+    assert in_process_model in str(caught.value).split("Known models:")[1]
 
 
 def test_a_parameter_the_factory_does_not_take_is_a_config_error(in_process_model: str) -> None:

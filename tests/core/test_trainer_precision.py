@@ -11,6 +11,7 @@ from core.toy_runs import toy_trainer
 from torch import nn
 
 from speedtronic import SpeedtronicConfig, precision
+from speedtronic.errors import ConfigError
 from speedtronic.precision import BF16, FP16, FP32, resolve_device, resolve_precision
 from speedtronic.trainer import Trainer
 
@@ -84,14 +85,13 @@ def test_unsupported_explicit_mode_falls_back_to_fp32_with_a_warning(
     assert mode in caplog.records[0].getMessage()
 
 
-def test_absent_devices_fall_back_to_cpu(caplog, monkeypatch):
+def test_an_explicit_absent_device_is_an_error_naming_what_was_found(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(precision, "mps_available", lambda: False)
-    assert resolve_device("auto") == CPU
-    with caplog.at_level(logging.WARNING, logger="speedtronic.precision"):
-        assert resolve_device("cuda") == CPU
-        assert resolve_device("mps") == CPU
-    assert len(caplog.records) == 2
+    assert resolve_device("auto") == CPU  # auto keeps choosing
+    for device in ("cuda", "mps"):
+        with pytest.raises(ConfigError, match=rf"^run\.device: is {device}, but .*found: cpu"):
+            resolve_device(device)
 
 
 class DtypeProbe(nn.Module):

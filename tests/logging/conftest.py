@@ -1,4 +1,5 @@
-"""Fixtures for the W&B/TensorBoard sink tests: a tiny CPU run, offline W&B, captured warnings."""
+"""Fixtures for the W&B/TensorBoard sink tests: a tiny CPU run, offline W&B, in-test plugins,
+captured warnings."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 import pytest
 
 from speedtronic import SpeedtronicConfig
-from speedtronic_logging import session
+from speedtronic.plugins import register, unregister
 
 # Small enough that a run is dominated by start-up, not by training.
 TINY_MODEL = {
@@ -33,16 +34,6 @@ def offline_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
         monkeypatch.setenv(var, str(home / var.lower()))
     monkeypatch.delenv("WANDB_DIR", raising=False)
-
-
-@pytest.fixture(autouse=True)
-def no_session_left_open() -> Iterator[None]:
-    """Every run must close its sinks: nothing stays registered after a test."""
-    assert session.active_sessions() == []
-    yield
-    leaked = session.active_sessions()
-    session.close_all()
-    assert leaked == [], "a logging session outlived its training run"
 
 
 def build_tiny_config(output_dir: Path, **sections: Any) -> SpeedtronicConfig:
@@ -93,3 +84,17 @@ def logging_records() -> Iterator[LogRecords]:
     yield handler
     logger.removeHandler(handler)
     logger.setLevel(previous)
+
+
+@pytest.fixture
+def plugins() -> Iterator[Callable[..., None]]:
+    """Register in-test plugins for one test: ``plugins(obj, ...)``."""
+    names: list[str] = []
+
+    def add(*objects: Any) -> None:
+        for obj in objects:
+            names.append(register(obj, name=f"test-{type(obj).__name__}-{len(names)}"))
+
+    yield add
+    for name in names:
+        unregister(name)

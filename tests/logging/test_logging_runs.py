@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +20,6 @@ from speedtronic import PluginError, hookimpl
 from speedtronic.plugins import register, unregister
 from speedtronic.runtime import build_runtime, train_from_config
 from speedtronic.schema import REDACTED, Section, option
-from speedtronic_logging import session
 
 SECRET = "vault-token-6f1d0c2a9b"
 FAKE_API_KEY = "local-fake-wandb-key-9b8a7c6d5e4f3a2b1c0d"
@@ -65,20 +63,6 @@ class OuterStepPlugin:
             )
 
 
-@pytest.fixture
-def plugins() -> Iterator[Any]:
-    """Register in-test plugins for one test: ``plugins(obj, ...)``."""
-    names: list[str] = []
-
-    def add(*objects: Any) -> None:
-        for obj in objects:
-            names.append(register(obj, name=f"test-{type(obj).__name__}-{len(names)}"))
-
-    yield add
-    for name in names:
-        unregister(name)
-
-
 def train(config: Any) -> Any:
     return train_from_config(config, console=False)
 
@@ -89,7 +73,6 @@ def test_tensorboard_sequential_runs_and_plugin_events(tmp_path, tiny_config, pl
         out = tmp_path / name
         result = train(tiny_config(out, tensorboard={"enabled": True}))
         assert result.steps == 6
-        assert session.active_sessions() == []  # closed when the run's metrics closed
 
         events = tensorboard_events(out / "tensorboard")
         steps = [e for e in read_jsonl(out / "metrics.jsonl") if e["event"] == "step"]
@@ -105,16 +88,17 @@ def test_tensorboard_sequential_runs_and_plugin_events(tmp_path, tiny_config, pl
         (summary,) = tensorboard_text(events, "summary")
         assert summary[0] == 6 and "| status | ok |" in summary[1]
         assert "| device | cpu |" in tensorboard_text(events, "run_info")[0][1]
+        assert tensorboard_hparams(events)[1] == STATUS_SUCCESS  # finished when fit returned
 
 
 def test_one_trainer_fitting_twice_closes_its_sinks_each_time(tmp_path, tiny_config) -> None:
     out = tmp_path / "run"
     runtime = build_runtime(tiny_config(out, tensorboard={"enabled": True}), console=False)
     runtime.trainer.fit()
-    assert session.active_sessions() == []
+    assert runtime.trainer.plugin_state == {}  # the run's sinks went with the run
     runtime.trainer.config.run.max_steps = 8  # a longer target for the same trainer
     assert runtime.trainer.fit().steps == 8
-    assert session.active_sessions() == []
+    assert runtime.trainer.plugin_state == {}
     events = tensorboard_events(out / "tensorboard")
     assert [s.step for s in events.Scalars("train/loss")] == [2, 4, 6, 8]
     assert len(tensorboard_text(events, "summary")) == 2

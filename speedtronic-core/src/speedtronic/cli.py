@@ -53,7 +53,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     result = train_from_config(config)
     loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "n/a"
     resumed = f" (resumed from step {result.resumed_from})" if result.resumed_from else ""
-    print(f"done: {result.steps} steps{resumed}, final loss {loss}, {result.elapsed_s:.1f}s")
+    steps = f"{result.steps} step{'' if result.steps == 1 else 's'}"
+    print(f"done: {steps}{resumed}, final loss {loss}, {result.elapsed_s:.1f}s")
     return 0
 
 
@@ -136,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     plugins.add_argument("--format", choices=("table", "json"), default="table")
     plugins.set_defaults(handler=cmd_plugins)
 
+    from speedtronic.data.prepare_cli import add_data_commands
+
+    add_data_commands(sub)  # `speedtronic data prepare`
     _add_plugin_commands(sub)
     # `--debug` is also accepted after the command name, plugin commands included.
     for command in sub.choices.values():
@@ -155,9 +159,12 @@ def _cli_logging(debug: bool) -> Iterator[None]:
     saved = (root.level, root.propagate)
     handler: logging.Handler
     if sys.stderr.isatty():
+        from rich.console import Console
         from rich.logging import RichHandler
 
-        handler = RichHandler(show_path=False, rich_tracebacks=debug)
+        # Console(stderr=True) looks sys.stderr up at every write, so while a progress bar is
+        # live (it redirects sys.stderr) log records are printed above the bar, not into it.
+        handler = RichHandler(console=Console(stderr=True), show_path=False, rich_tracebacks=debug)
     else:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))

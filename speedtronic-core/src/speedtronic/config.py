@@ -36,11 +36,13 @@ __all__ = [
     "LoggingConfig",
     "ModelConfig",
     "MuonConfig",
+    "OOOBackpropConfig",
     "OptimizerConfig",
     "PrecisionConfig",
     "RunConfig",
     "SchedulerConfig",
     "SpeedtronicConfig",
+    "check_plain_data",
 ]
 
 
@@ -106,6 +108,14 @@ class DataConfig(Section):
     text_path: str | None = option(
         None, help="UTF-8 text file streamed in fixed-size token blocks; unset = synthetic data."
     )
+    shards: str | None = option(
+        None,
+        help="Directory of token shards written by `speedtronic data prepare` (its `train/` "
+        "split is memory-mapped and shuffled by window); unset = synthetic data.",
+    )
+    verify_shards: bool = option(
+        False, help="Check every shard's sha256 (and token range) against `index.json` at start."
+    )
     seq_len: int | None = option(
         None, ge=1, help="Tokens per sample; defaults to the model's `max_seq_len`."
     )
@@ -129,6 +139,8 @@ class DataConfig(Section):
                 f"must be a multiple of micro_batch_size ({self.micro_batch_size}), got {target}",
                 "target_batch_size",
             )
+        if self.shards and self.text_path:
+            raise ConfigError("set data.shards or data.text_path, not both", "shards")
 
     @property
     def accumulation_steps(self) -> int:
@@ -220,6 +232,28 @@ class CompileConfig(Section):
 
 
 @dataclass
+class OOOBackpropConfig(Section):
+    """The ``ooo_backprop`` section: out-of-order backprop, opt-in, not with ``compile``."""
+
+    enabled: bool = option(
+        False,
+        help="Return each `nn.Linear`'s input gradient at once and queue its weight and bias "
+        "gradients, drained before anything reads `.grad` (see engine.md). Active on CUDA; "
+        "elsewhere accepted with one warning. Not together with `compile.enabled`.",
+    )
+    modules: Literal["linear"] = option(
+        "linear",
+        help="Which layers: `linear` = every `nn.Linear` that keeps nn.Linear's forward "
+        "(fused QKV and gate-up projections included).",
+    )
+    stream: Literal["side", "same"] = option(
+        "side",
+        help="`side`: run the queued products on a dedicated CUDA stream; `same`: in order on "
+        "the current stream at each drain (always so off CUDA).",
+    )
+
+
+@dataclass
 class CheckpointConfig(Section):
     """The ``checkpoint`` section: where, how often, how many, and resuming."""
 
@@ -237,6 +271,13 @@ class CheckpointConfig(Section):
         "(otherwise that is an error).",
     )
     save_final: bool = option(True, help="Save at the end of a successful fit.")
+    save_retry_pause: float = option(
+        10.0,
+        ge=0,
+        le=3600,
+        help="Seconds to wait before retrying a save that failed (disk full, I/O error) once; "
+        "a second failure stops the run cleanly with the previous checkpoints intact.",
+    )
 
 
 @dataclass
@@ -264,6 +305,7 @@ CORE_SECTIONS: dict[str, type] = {
     "scheduler": SchedulerConfig,
     "precision": PrecisionConfig,
     "compile": CompileConfig,
+    "ooo_backprop": OOOBackpropConfig,
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
 }
@@ -310,6 +352,7 @@ class SpeedtronicConfig:
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
     compile: CompileConfig = dataclasses.field(default_factory=CompileConfig)
+    ooo_backprop: OOOBackpropConfig = dataclasses.field(default_factory=OOOBackpropConfig)
     gradient_checkpointing: bool = False
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
@@ -325,14 +368,34 @@ class SpeedtronicConfig:
             raise AttributeError(name)
         raise AttributeError(f"SpeedtronicConfig has no section {name!r}" + _provider_hint(name))
 
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Rules across sections (each section checks its own fields); raises ConfigError.
+        Runs on construction; call it again after changing sections in place."""
+        if self.compile.enabled and self.ooo_backprop.enabled:
+            raise ConfigError(
+                "compile.enabled and ooo_backprop.enabled cannot both be true: out-of-order "
+                "backprop's backward hands work to a queue that is drained outside autograd, "
+                "which a compiled graph would not honour; turn one of them off",
+                "ooo_backprop.enabled",
+            )
+
     # ----------------------------------------------------------------- loading
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SpeedtronicConfig:
         """Validate a root mapping (aliases, core sections, plugin sections)."""
         if not isinstance(data, Mapping):
             raise ConfigError(f"the config root must be a mapping, got {type(data).__name__}")
+        check_plain_data(data)
         data = dict(data)
-        run = dict(data.pop("run", None) or {})
+        run = data.pop("run", None)
+        if run is None:
+            run = {}
+        if not isinstance(run, Mapping):
+            raise ConfigError(f"expected a mapping, got {type(run).__name__}", "run")
+        run = dict(run)
         for alias in RUN_ALIASES:
             if alias in data:
                 if alias in run:
@@ -469,13 +532,48 @@ def _is_file(text: str) -> bool:
         return False
 
 
+# A config is a few kilobytes; anything far larger is not one (and is not read whole).
+MAX_CONFIG_BYTES = 4 << 20
+# Sections nest two or three levels; a document nested deeper than this is not a config.
+MAX_CONFIG_DEPTH = 32
+
+
+def check_plain_data(data: Any, path: str = "", depth: int = 0) -> None:
+    """Reject what no config contains: mappings nested deeper than :data:`MAX_CONFIG_DEPTH`
+    and keys that are not strings (a YAML ``1:`` or ``[a, b]:`` key). Raises ConfigError."""
+    if depth > MAX_CONFIG_DEPTH:
+        raise ConfigError(f"nested more than {MAX_CONFIG_DEPTH} levels deep", path)
+    if isinstance(data, Mapping):
+        for key, value in data.items():
+            if not isinstance(key, str):
+                raise ConfigError(
+                    f"keys must be strings, got the {type(key).__name__} key {key!r}"[:200], path
+                )
+            check_plain_data(value, f"{path}.{key}" if path else key, depth + 1)
+    elif isinstance(data, (list, tuple)):
+        for index, value in enumerate(data):
+            check_plain_data(value, f"{path}[{index}]", depth + 1)
+
+
 def _read_mapping(path: Path, yaml_ok: bool) -> Any:
     try:
-        text = path.read_text(encoding="utf-8")
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_CONFIG_BYTES + 1)
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"cannot read config file {path}: it is a directory") from None
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {path} is larger than {MAX_CONFIG_BYTES >> 20} MiB")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset "
+            f"{exc.start})"
+        ) from None
     return _parse(text, str(path), yaml_ok)
 
 
@@ -486,6 +584,12 @@ class _StrictLoader(yaml.SafeLoader):
         seen: set[Any] = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, (str, int, float, bool)) and key is not None:
+                mark = key_node.start_mark
+                raise ConfigError(
+                    f"a {type(key).__name__} cannot be a key (line {mark.line + 1}, column "
+                    f"{mark.column + 1})"
+                )
             if isinstance(key, str) and key in seen:
                 mark = key_node.start_mark
                 raise ConfigError(
@@ -507,6 +611,13 @@ def _parse(text: str, origin: str, yaml_ok: bool) -> Any:
     except (yaml.YAMLError, json.JSONDecodeError) as exc:
         detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ConfigError(f"cannot parse {origin}: {detail}") from None
+    except RecursionError:
+        raise ConfigError(f"cannot parse {origin}: nested too deeply") from None
+    except (ValueError, TypeError, OverflowError) as exc:
+        detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        if "integer string conversion" in detail:  # past Python's int(str) digit limit
+            detail = "a number has too many digits"
+        raise ConfigError(f"cannot parse {origin}: {detail}") from None
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
@@ -524,6 +635,8 @@ def _split_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
             parsed = yaml.safe_load(value) if value.strip() else ""
         except yaml.YAMLError:  # not YAML (e.g. "a: b: c"): take the text as it is
             parsed = value
+        except (RecursionError, ValueError, TypeError, OverflowError):
+            raise ConfigError(f"cannot parse the value of override {key.strip()!r}") from None
         items.append((key.strip(), parsed))
     return items
 

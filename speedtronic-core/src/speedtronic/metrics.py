@@ -34,6 +34,7 @@ __all__ = [
     "format_payload",
     "import_hook",
     "json_safe",
+    "live_line",
     "process_memory_mb",
 ]
 
@@ -116,8 +117,13 @@ class JsonlSink(_AppendingFileSink):
 
 
 class ConsoleSink:
-    """stdout: a rich progress bar with ETA on a terminal, plain ``event key=value`` lines
-    otherwise (pipes, files, CI logs)."""
+    """stdout: on a terminal, a rich progress bar that moves every optimizer step (steps/s and
+    ETA from the first steps) with a live line of the last logged loss, lr and tokens/s under
+    it; plain ``event key=value`` lines otherwise (pipes, files, CI logs).
+
+    While the bar is shown, writes to ``sys.stdout``/``sys.stderr`` (log records of the CLI's
+    handler included) are printed above it, so lines never splice into the bar.
+    """
 
     def __init__(
         self, total_steps: int | None = None, progress: bool = True, stream: TextIO | None = None
@@ -130,7 +136,8 @@ class ConsoleSink:
         self._task: Any = None
 
     def on_event(self, event: str, payload: dict[str, Any]) -> None:
-        """Advance the bar on ``step`` events; print everything else as a line."""
+        """Start the bar on ``train_start``, refresh the live line on ``step``; print everything
+        else as a line."""
         if not self.interactive:
             self.stream.write(f"{event} {format_payload(payload)}\n")
             self.stream.flush()
@@ -138,9 +145,8 @@ class ConsoleSink:
         if event == "train_start":
             self._start_bar(payload)
         if event == "step" and self._task is not None:
-            loss = payload.get("loss")
-            info = f"loss {loss:.4f}" if isinstance(loss, float) else ""
-            self._progress.update(self._task, completed=payload.get("step", 0), info=info)
+            self._progress.live_line = live_line(payload)
+            self._progress.update(self._task, completed=payload.get("step", 0))
         elif self._progress is not None:
             self._progress.console.print(f"{event} {format_payload(payload)}", highlight=False)
         else:
@@ -148,34 +154,21 @@ class ConsoleSink:
         if event == "train_end":
             self.close()
 
+    def on_progress(self, step: int) -> None:
+        """Move the bar to ``step`` (called every optimizer step; no device sync)."""
+        if self._task is not None:
+            self._progress.update(self._task, completed=step)
+
     def _start_bar(self, payload: dict[str, Any]) -> None:
         from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
 
         self.close()
-        self._progress = Progress(
-            TextColumn("[bold]train"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            TextColumn("eta"),
-            TimeRemainingColumn(),
-            TextColumn("{task.fields[info]}"),
-            console=Console(file=self.stream),
-        )
+        self._progress = _progress_bar(Console(file=self.stream))
         self._progress.start()
         self._task = self._progress.add_task(
             "train",
             total=payload.get("max_steps", self.total_steps),
             completed=payload.get("start_step", 0),
-            info="",
         )
 
     def close(self) -> None:
@@ -184,6 +177,58 @@ class ConsoleSink:
             self._progress.stop()
         self._progress = None
         self._task = None
+
+
+def live_line(payload: dict[str, Any]) -> str:
+    """The compact line under the bar: loss, lr and tokens/s of the last logged step."""
+    parts = []
+    for key, label, spec in (
+        ("loss", "loss", ".4f"),
+        ("lr", "lr", ".3g"),
+        ("tokens_per_sec", "tok/s", ",.0f"),
+    ):
+        value = payload.get(key)
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            parts.append(f"{label} {value:{spec}}")
+    return "  ".join(parts)
+
+
+def _progress_bar(console: Any) -> Any:
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        ProgressColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+    from rich.text import Text
+
+    class StepsPerSecond(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            speed = task.finished_speed or task.speed
+            return Text("" if speed is None else f"{speed:.1f} steps/s")
+
+    class BarWithLine(Progress):
+        live_line = ""
+
+        def get_renderables(self) -> Any:
+            yield self.make_tasks_table(self.tasks)
+            if self.live_line:
+                yield Text(f"  {self.live_line}")
+
+    return BarWithLine(
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        StepsPerSecond(),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        console=console,
+        speed_estimate_period=60.0,
+    )
 
 
 class _CallableSink:
@@ -310,6 +355,14 @@ class MetricLogger:
         """Deliver one event to every sink."""
         for sink in self.sinks:
             self._deliver(repr(sink), sink.on_event, event, payload)
+
+    def progress(self, step: int) -> None:
+        """Tell the sinks that have ``on_progress(step)`` (the progress bar) that an optimizer
+        step finished; cheap enough to call every step."""
+        for sink in self.sinks:
+            on_progress = getattr(sink, "on_progress", None)
+            if callable(on_progress):
+                self._deliver(repr(sink), on_progress, step)
 
     def warn_once(self, label: str, exc: BaseException) -> None:
         """Report a failing sink or plugin, once per ``label``."""

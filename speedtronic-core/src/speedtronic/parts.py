@@ -3,9 +3,10 @@
 :func:`build_parts` is the only place that decides the device, the precision and its
 GradScaler, the optimizer (configured, or the caller's, wrapped in cautious masking when
 ``optimizer.cautious`` asks), the schedule, the checkpoint manager, the metric logger, the
-plugin manager, gradient checkpointing and ``torch.compile``. :func:`speedtronic.runtime.
-build_runtime` calls it with the configured model and data; ``Trainer(model, config, ...)``
-calls it with whatever a Python user passed, so both ways build a run the same way.
+plugin manager, gradient checkpointing, out-of-order backprop and ``torch.compile``.
+:func:`speedtronic.runtime.build_runtime` calls it with the configured model and data;
+``Trainer(model, config, ...)`` calls it with whatever a Python user passed, so both ways build
+a run the same way.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from speedtronic.compile import CompiledModel
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.data import DataSource
 from speedtronic.metrics import MetricLogger
+from speedtronic.ooo_backprop import OOOBackprop, install_ooo_backprop
 from speedtronic.optim import build_optimizer, build_scheduler
 from speedtronic.precision import Precision, resolve_device, resolve_precision
 
@@ -47,6 +49,9 @@ class TrainingParts:
     metrics: MetricLogger
     plugin_manager: Any
     compiled: CompiledModel
+    ooo_backprop: OOOBackprop | None = None
+    """The queue of deferred weight gradients when ``ooo_backprop.enabled`` (drain it before
+    reading ``.grad``), else None."""
 
 
 def build_parts(
@@ -64,6 +69,7 @@ def build_parts(
     """The parts of a run over ``model`` and ``data``; any part given is used as it is."""
     from speedtronic.plugins import get_plugin_manager
 
+    config.validate()  # a config changed in place since it was loaded
     device = device or resolve_device(config.run.device)
     model = model.to(device)
     precision = resolve_precision(config.precision.mode, device)
@@ -71,6 +77,10 @@ def build_parts(
     if scheduler is None:
         scheduler = build_scheduler(optimizer, config.scheduler, config.run.max_steps)
     _set_gradient_checkpointing(model, config.gradient_checkpointing)
+    # The swap is an instance attribute on each nn.Linear: state_dict keys and module types stay.
+    ooo = install_ooo_backprop(model, config.ooo_backprop, device)
+    if ooo is not None:
+        ooo.guard_optimizer(optimizer)
     return TrainingParts(
         config=config,
         model=model,
@@ -85,6 +95,7 @@ def build_parts(
         metrics=metric_logger if metric_logger is not None else MetricLogger(),
         plugin_manager=plugin_manager if plugin_manager is not None else get_plugin_manager(),
         compiled=CompiledModel(model, config.compile),
+        ooo_backprop=ooo,
     )
 
 

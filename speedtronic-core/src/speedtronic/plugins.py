@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import pluggy
@@ -41,6 +42,7 @@ __all__ = [
     "call_each",
     "get_plugin_manager",
     "hook_names",
+    "install_command",
     "list_plugins",
     "load_filter",
     "load_plugins",
@@ -249,6 +251,20 @@ def unregister(name: str) -> None:
     _plugin_distributions.pop(name, None)
 
 
+def install_command(distribution: str) -> str:
+    """How to install a first-party ``distribution``: from the source checkout this core runs
+    from, when there is one (the distributions are not on PyPI yet), else by name."""
+    checkout = Path(__file__).resolve().parents[3]
+    folder = checkout / distribution
+    if not (folder / "pyproject.toml").is_file():
+        return f"pip install {distribution}"
+    try:
+        shown = f"./{folder.relative_to(Path.cwd().resolve())}"
+    except ValueError:
+        shown = str(folder)
+    return f"pip install {shown} (this source checkout; pip install {distribution} once published)"
+
+
 def missing_provider_hint(key: str) -> str:
     """A parenthesised sentence saying which distribution would provide ``key``, or ``""``.
 
@@ -278,7 +294,7 @@ def missing_provider_hint(key: str) -> str:
                 f" (expected from {dist}, but the installed version {version} does not provide "
                 f"it; pip install --upgrade {dist})"
             )
-        return f" (provided by {dist}: pip install {dist})"
+        return f" (provided by {dist}: {install_command(dist)})"
     same_name = _failures.get(key)
     if same_name is not None:
         return (

@@ -16,6 +16,7 @@ __all__ = [
     "FP16",
     "FP32",
     "Precision",
+    "available_devices",
     "mps_available",
     "resolve_device",
     "resolve_precision",
@@ -32,21 +33,35 @@ def mps_available() -> bool:
 
 
 def resolve_device(requested: str) -> torch.device:
-    """``auto`` -> CUDA, then MPS, then CPU; an explicit device that is absent falls back to CPU
-    with a warning."""
+    """``auto`` -> CUDA, then MPS, then CPU. An explicit device that this machine does not
+    have is a :class:`ConfigError` naming what was found: training a long run on the CPU by
+    surprise is worse than stopping."""
     if requested == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
         if mps_available():
             return torch.device("mps")
         return torch.device("cpu")
-    if requested == "cuda" and not torch.cuda.is_available():
-        log.warning("run.device is cuda but CUDA is not available; training on CPU")
-        return torch.device("cpu")
-    if requested == "mps" and not mps_available():
-        log.warning("run.device is mps but MPS is not available; training on CPU")
-        return torch.device("cpu")
+    if (requested == "cuda" and not torch.cuda.is_available()) or (
+        requested == "mps" and not mps_available()
+    ):
+        raise ConfigError(
+            f"is {requested}, but this machine has no usable {requested.upper()} device "
+            f"(found: {', '.join(available_devices())}; torch {torch.__version__}); "
+            "set run.device: auto or cpu",
+            "run.device",
+        )
     return torch.device(requested)
+
+
+def available_devices() -> list[str]:
+    """The device types torch can use here, e.g. ``["cuda", "cpu"]``."""
+    found = []
+    if torch.cuda.is_available():
+        found.append(f"cuda x{torch.cuda.device_count()}")
+    if mps_available():
+        found.append("mps")
+    return [*found, "cpu"]
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,9 @@ through the hook and names the known models when none answers.
 from __future__ import annotations
 
 import difflib
+import importlib
 import inspect
+import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -16,8 +18,10 @@ from speedtronic.errors import ConfigError, PluginError
 from speedtronic.hookspecs import hookimpl
 
 __all__ = [
+    "IMPORT_PATH",
     "build_model",
     "build_model_from_hook",
+    "import_factory",
     "known_model_names",
     "register_model",
     "registered_models",
@@ -60,12 +64,36 @@ def registered_models() -> list[str]:
 
 @hookimpl
 def build_model(name: str, params: dict[str, Any]) -> Any:
-    """Answer for names registered with :func:`register_model`; ``None`` for any other."""
+    """Answer for names registered with :func:`register_model` and for import paths
+    ``package.module:factory``; ``None`` for any other."""
     factory = _FACTORIES.get(name)
+    if factory is None and IMPORT_PATH.match(name):
+        factory = import_factory(name)
     if factory is None:
         return None
     _check_params(name, factory, params)
     return factory(**params)
+
+
+# `package.module:attribute`, the form entry points use.
+IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+def import_factory(path: str, where: str = "model.name") -> Callable[..., Any]:
+    """Resolve ``package.module:factory`` (a class or function) for YAML that names a factory
+    without a plugin. Raises ConfigError naming ``where``."""
+    module_name, _, attribute = path.partition(":")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"cannot import {module_name!r} for {path!r}: {exc}", where) from None
+    for part in attribute.split("."):
+        target = getattr(target, part, None)
+        if target is None:
+            raise ConfigError(f"{module_name!r} has no attribute {attribute!r}", where)
+    if not callable(target):
+        raise ConfigError(f"{path!r} is a {type(target).__name__}, not a factory", where)
+    return target
 
 
 def _check_params(name: str, factory: Callable[..., Any], params: dict[str, Any]) -> None:
@@ -114,10 +142,13 @@ def build_model_from_hook(name: str, **params: Any) -> Any:
     if model is None:
         names = known_model_names()
         close = difflib.get_close_matches(name, names, n=1)
-        suggestion = f"; did you mean {close[0]!r}?" if close else ""
+        suggestion = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError(
-            f"no plugin builds a model named {name!r}{suggestion}{missing_provider_hint(name)}; "
-            f"known models: {', '.join(names) or 'none'}",
+            f"no plugin builds a model named {name!r}{suggestion}{missing_provider_hint(name)}. "
+            f"Known models: {', '.join(names) or 'none'}. To add one: decorate a factory with "
+            "@speedtronic.register_model('name') and load its module with --plugin MODULE, "
+            "name the factory as 'package.module:function', or declare a plugin entry point "
+            "(docs/plugins.md)",
             "model.name",
         )
     if not callable(model):

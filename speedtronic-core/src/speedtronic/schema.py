@@ -13,7 +13,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import operator
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -29,6 +31,7 @@ __all__ = [
     "coerce",
     "describe_type",
     "field_hints",
+    "may_hold_secret",
     "option",
     "section_to_dict",
     "unknown_key_error",
@@ -76,17 +79,52 @@ class Section:
 
     def __post_init__(self) -> None:
         hints = field_hints(type(self))
-        for field in dataclasses.fields(self):  # type: ignore[arg-type]
+        fields = dataclasses.fields(self)  # type: ignore[arg-type]
+        guarded = any(f.metadata.get("secret") for f in fields)
+        for field in fields:
             value = getattr(self, field.name)
             try:
                 value = coerce(value, hints[field.name])
             except ConfigError as exc:
+                if _carries_text(value) and (guarded or may_hold_secret(field.name, value)):
+                    # Never echo what may be a credential put into the wrong field.
+                    raise ConfigError(
+                        f"expected {describe_type(hints[field.name])} (the value is not shown: "
+                        "it may be a secret)",
+                        field.name,
+                    ) from None
                 raise exc.under(field.name) from None
             _check_bounds(field, value)
             object.__setattr__(self, field.name, value)
         validate = getattr(self, "validate", None)
         if validate is not None:
             validate()
+
+
+_SECRET_NAME = re.compile(r"token|secret|passw|api_?key|credential|auth", re.IGNORECASE)
+_SECRET_VALUE = re.compile(r"^(hf_|sk-|ghp_|gho_|xox[bp]-)|^[A-Za-z0-9_\-]{32,}$")
+
+
+def may_hold_secret(name: str, value: Any) -> bool:
+    """True when a field's name, or a rejected string's shape, suggests a credential."""
+    if _SECRET_NAME.search(name):
+        return True
+    if isinstance(value, Mapping):
+        return any(may_hold_secret("", v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(may_hold_secret("", v) for v in value)
+    return isinstance(value, str) and bool(_SECRET_VALUE.search(value.strip()))
+
+
+def _carries_text(value: Any) -> bool:
+    """True when ``value`` is or contains a string (numbers and flags are never secrets)."""
+    if isinstance(value, str):
+        return True
+    if isinstance(value, Mapping):
+        return any(_carries_text(k) or _carries_text(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(_carries_text(v) for v in value)
+    return False
 
 
 def build_section(cls: type, data: Any, path: str) -> Any:
@@ -150,10 +188,10 @@ def coerce(value: Any, annotation: Any) -> Any:
         same_case = [n for n in names if n.lower() == str(value).lower()]
         close = same_case or difflib.get_close_matches(str(value), names, n=1, cutoff=0.5)
         suggestion = f"; did you mean {close[0]!r}?" if close and isinstance(value, str) else ""
-        raise ConfigError(f"must be one of {choices} (got {value!r}){suggestion}")
+        raise ConfigError(f"must be one of {choices} (got {_shown(value)}){suggestion}")
     if origin in (list, tuple):
         if isinstance(value, str) or not isinstance(value, (list, tuple)):
-            raise ConfigError(f"expected a list, got {type(value).__name__} {value!r}")
+            raise ConfigError(f"expected a list, got {type(value).__name__} {_shown(value)}")
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(value) != len(args):
                 raise ConfigError(f"expected {len(args)} items, got {len(value)}")
@@ -194,32 +232,58 @@ def _to_bool(value: Any) -> bool:
     raise ConfigError(f"expected a boolean (true/false), got {value!r}")
 
 
+# Every integer option fits a signed 64-bit integer (what torch and NumPy take); a value
+# beyond that is a typo or an attack, never a setting.
+INT_LIMIT = 2**63
+
+
 def _to_int(value: Any) -> int:
     if isinstance(value, bool):
         raise ConfigError(f"expected an integer, got {value!r}")
+    number: int | None = None
     if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str):
+        number = value
+    elif isinstance(value, float) and value.is_integer():
+        number = int(value)
+    elif isinstance(value, str) and len(value) <= 40:
         try:
-            return int(value.strip().replace("_", ""))
+            number = int(value.strip().replace("_", ""))
         except ValueError:
             pass
-    raise ConfigError(f"expected an integer, got {value!r}")
+    if number is None:
+        raise ConfigError(f"expected an integer, got {_shown(value)}")
+    if not -INT_LIMIT <= number < INT_LIMIT:
+        raise ConfigError("is out of range (integers must fit in 64 bits)")
+    return number
 
 
 def _to_float(value: Any) -> float:
     if isinstance(value, bool):
         raise ConfigError(f"expected a number, got {value!r}")
+    number: float | None = None
     if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
         try:
-            return float(value.strip())
+            number = float(value)
+        except OverflowError:
+            raise ConfigError("is out of range for a number") from None
+    elif isinstance(value, str) and len(value) <= 64:
+        try:
+            number = float(value.strip())
         except ValueError:
             pass
-    raise ConfigError(f"expected a number, got {value!r}")
+    if number is None:
+        raise ConfigError(f"expected a number, got {_shown(value)}")
+    # No option means "forever" by infinity: a non-finite value only ever breaks arithmetic
+    # later (an outer thread dying on OverflowError, a NaN global).
+    if not math.isfinite(number):
+        raise ConfigError(f"must be a finite number (got {number!r})")
+    return number
+
+
+def _shown(value: Any) -> str:
+    """``value`` for an error message: its repr, cut short."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
 
 
 def _check_bounds(field: dataclasses.Field, value: Any) -> None:

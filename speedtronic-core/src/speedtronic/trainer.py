@@ -22,6 +22,7 @@ from torch import nn
 
 from speedtronic.batch import batch_size_and_tokens, call_model, loss_of, move_to
 from speedtronic.checkpoint import CheckpointManager, rng_state, set_rng_state
+from speedtronic.checkpoint.fileio import probe_writable
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.data import DataSource, repeat_epochs
 from speedtronic.errors import CheckpointError, DataError, SpeedtronicError
@@ -30,7 +31,13 @@ from speedtronic.optim import reset_optimizer_state
 from speedtronic.parts import TrainingParts, build_parts
 from speedtronic.plugins import call_each
 
-__all__ = ["MAX_CONSECUTIVE_SKIPS", "STATE_FORMAT", "TrainResult", "Trainer"]
+__all__ = [
+    "MAX_CONSECUTIVE_SKIPS",
+    "STATE_FORMAT",
+    "TrainResult",
+    "Trainer",
+    "check_trainer_state",
+]
 
 log = logging.getLogger("speedtronic.trainer")
 
@@ -54,6 +61,34 @@ MAX_CONSECUTIVE_SKIPS = 64
 
 
 STATE_FORMAT = 1
+
+
+# What a trainer state must hold to be resumed; anything else is a corrupt checkpoint.
+_STATE_INTS = ("step", "samples_seen", "tokens_seen")
+_STATE_MAPPINGS = ("model", "optimizer", "scheduler", "rng")
+_RNG_KEYS = ("python", "numpy", "torch")
+
+
+def check_trainer_state(state: Any) -> None:
+    """Raise :class:`CheckpointError` unless ``state`` has the shape :meth:`Trainer.state_dict`
+    writes (a decoded checkpoint can still be tampered with consistently)."""
+    if not isinstance(state, dict):
+        raise CheckpointError(f"the trainer state is a {type(state).__name__}, not a mapping")
+    if state.get("format") != STATE_FORMAT:
+        raise CheckpointError(
+            f"unsupported trainer state format {state.get('format')!r} "
+            f"(this version reads {STATE_FORMAT})"
+        )
+    for key in _STATE_INTS:
+        value = state.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise CheckpointError(f"the trainer state's {key!r} is not a count: {value!r:.40}")
+    for key in _STATE_MAPPINGS:
+        if not isinstance(state.get(key), dict):
+            raise CheckpointError(f"the trainer state has no {key!r} mapping")
+    missing = [key for key in _RNG_KEYS if key not in state["rng"]]
+    if missing:
+        raise CheckpointError(f"the trainer state's rng lacks {missing}")
 
 
 class Trainer:
@@ -117,6 +152,7 @@ class Trainer:
         self.checkpoints = parts.checkpoints
         self.scaler = parts.scaler
         self.compiled = parts.compiled
+        self.ooo_backprop = parts.ooo_backprop
         self.accumulation_steps = self.config.data.accumulation_steps
         self.reset_optimizer_on_weight_replace = True
         self.plugin_state: dict[str, Any] = {}
@@ -125,6 +161,8 @@ class Trainer:
         self.tokens_seen = 0
         self.weights_replaced = 0
         self.resumed_from: int | None = None
+        # The last loss read at the log cadence; kept so a run that fails still reports it.
+        self.last_loss: float | None = None
         self._resumed_rng: dict[str, Any] | None = None
         self._consecutive_skips = 0
 
@@ -202,8 +240,20 @@ class Trainer:
         self.plugin_manager.hook.on_load_checkpoint(trainer=self, state=state.get("plugins") or {})
 
     def save_checkpoint(self) -> Path:
-        """Durably write a checkpoint of the current state; returns its directory."""
-        path = self.checkpoints.save(self.step, self.state_dict())
+        """Durably write a checkpoint of the current state; returns its directory.
+
+        A failed save (disk full, I/O error) is retried once after
+        ``checkpoint.save_retry_pause`` seconds; a second failure raises
+        :class:`CheckpointError`, with the previous checkpoints intact and this trainer's state
+        still in memory (a caller may free space and call this again)."""
+        state = self.state_dict()
+        try:
+            path = self.checkpoints.save(self.step, state)
+        except CheckpointError as exc:
+            pause = self.config.checkpoint.save_retry_pause
+            log.warning("%s; retrying once in %.0f s", exc, pause)
+            time.sleep(pause)
+            path = self.checkpoints.save(self.step, state)
         log.debug("checkpoint at step %d: %s", self.step, path)
         self.emit("checkpoint", {"step": self.step, "path": str(path)})
         return path
@@ -211,7 +261,7 @@ class Trainer:
     def _resume(self) -> None:
         """Load the newest usable checkpoint; no checkpoint at all means a fresh start."""
         try:
-            loaded = self.checkpoints.load_latest()
+            loaded = self.checkpoints.load_latest(check=check_trainer_state)
         except CheckpointError as exc:
             if not self.config.checkpoint.allow_fresh_start:
                 raise
@@ -236,6 +286,20 @@ class Trainer:
         if self._resumed_rng is not None:
             set_rng_state(self._resumed_rng)
             self._resumed_rng = None
+
+    def _check_checkpoints_writable(self) -> None:
+        """Find an unwritable checkpoint directory now, not at the final save of a long run."""
+        config = self.config.checkpoint
+        if not (config.interval or config.save_final):
+            return
+        try:
+            probe_writable(self.checkpoints.directory)
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot write checkpoints to {self.checkpoints.directory} "
+                f"({exc.strerror or exc}); fix its permissions or free space, or point "
+                "checkpoint.directory / run.output_dir elsewhere"
+            ) from None
 
     def _warn_if_checkpoints_exist(self) -> None:
         config = self.config.checkpoint
@@ -276,12 +340,13 @@ class Trainer:
         loss (fp32, unscaled, still on the device)."""
         accumulating = len(batches) > 1
         losses = []
-        for batch in batches:
+        for index, batch in enumerate(batches):
             with self.precision.autocast(self.device):
                 loss = loss_of(call_model(model, batch))
             # Each micro-batch loss is a mean; dividing by their count makes the summed
             # gradients those of the mean over the whole optimizer batch.
             self.scaler.scale(loss / len(batches) if accumulating else loss).backward()
+            self._drain_grads(last=index == len(batches) - 1)
             losses.append(loss.detach())
         if accumulating:
             return torch.stack(losses).float().mean()
@@ -293,10 +358,24 @@ class Trainer:
             reset=lambda: self.optimizer.zero_grad(set_to_none=True),
         )
 
+    def _drain_grads(self, last: bool = True) -> None:
+        """A drain point of out-of-order backprop (``ooo_backprop``): after a micro-batch's
+        backward the queued weight-gradient products are run (``last=False``: only started, on
+        a CUDA side stream they may overlap the next forward); with ``last`` they are finished
+        and in ``.grad``. Whatever reads ``.grad`` (GradScaler unscale, clipping, the optimizer
+        step, a future DDP reduction) must come after a ``last`` drain."""
+        if self.ooo_backprop is None:
+            return
+        if last:
+            self.ooo_backprop.drain()
+        else:
+            self.ooo_backprop.flush()
+
     def _optimizer_step(self, want_norm: bool = True) -> tuple[bool, torch.Tensor | None]:
         """Clip and step. Returns (stepped, grad_norm); stepped is False after a GradScaler
         overflow, which skips the update. Without clipping, the norm is only computed when
         ``want_norm`` (it is logged at the log cadence only)."""
+        self._drain_grads()  # before unscale, clip and step read .grad
         clip = self.config.optimizer.grad_clip
         grad_norm = None
         if clip is not None or want_norm:
@@ -345,6 +424,11 @@ class Trainer:
                 resumed_from=self.resumed_from,
                 summary={"message": message},
             )
+        try:
+            self._check_checkpoints_writable()
+        except BaseException:
+            self.metrics.close()
+            raise
 
         error: BaseException | None = None
         started = time.perf_counter()
@@ -374,7 +458,7 @@ class Trainer:
             elapsed = time.perf_counter() - started
             summary = {
                 "steps": self.step,
-                "final_loss": final_loss,
+                "final_loss": final_loss if final_loss is not None else self.last_loss,
                 "samples": self.samples_seen,
                 "tokens": self.tokens_seen,
                 "elapsed_s": elapsed,
@@ -385,7 +469,14 @@ class Trainer:
             # still record the summary.
             self.emit("train_end", summary)
             try:
-                self.plugin_manager.hook.on_train_end(trainer=self, error=error)
+                # Every plugin gets to release its resources, even when another one raises.
+                call_each(
+                    self.plugin_manager.hook.on_train_end,
+                    {"trainer": self, "error": error},
+                    lambda name, exc: log.error(
+                        "plugin %r failed in on_train_end (%s: %s)", name, type(exc).__name__, exc
+                    ),
+                )
             finally:
                 self.metrics.close()
         return TrainResult(
@@ -428,6 +519,7 @@ class Trainer:
             self.scheduler.step()
             self.step += 1
             meter.count_step(step_loss)
+            self.metrics.progress(self.step)
 
             replaced = self.plugin_manager.hook.after_optimizer_step(
                 trainer=self, model=self.model, step=self.step
@@ -438,7 +530,7 @@ class Trainer:
                     reset_optimizer_state(self.optimizer)
 
             if self.step % log_every == 0 or self.step == max_steps:
-                last_loss = meter.mean_loss()
+                last_loss = self.last_loss = meter.mean_loss()
                 if not math.isfinite(last_loss):
                     log.warning("the loss is %s at step %d", last_loss, self.step)
                 self.emit(

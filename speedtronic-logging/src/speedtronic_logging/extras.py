@@ -20,11 +20,12 @@ def install_hint(extra: str) -> str:
 
 
 def require(module: str, extra: str, feature: str) -> Any:
-    """Import ``module`` for ``feature``, or raise one PluginError naming the extra to install."""
+    """Import ``module`` for ``feature`` (what asked for it: a config section or a sink class),
+    or raise one PluginError naming the extra to install."""
     try:
         return importlib.import_module(module)
     except ImportError as exc:
         raise PluginError(
-            f"{feature} is enabled in the config but {module} cannot be imported ({exc}); "
+            f"{feature} needs {module}, which cannot be imported ({exc}); "
             f"install it with: {install_hint(extra)}"
         ) from None

@@ -15,13 +15,13 @@ from typing import Any
 
 import yaml
 
-from speedtronic.config import SpeedtronicConfig
 from speedtronic_logging.config import TensorBoardConfig
 from speedtronic_logging.extras import require
+from speedtronic_logging.sink import BackendSink, RunStart, section_settings, settings_of
 
 log = logging.getLogger("speedtronic.logging")
 
-FEATURE = "TensorBoard logging (tensorboard.enabled)"
+FEATURE = "TensorBoard logging (tensorboard.enabled, TensorBoardSink)"
 # The scalar the HParams dashboard shows next to each run's hyperparameters.
 HPARAMS_METRICS = ("train/loss",)
 
@@ -37,9 +37,9 @@ def load() -> Any:
     return writer
 
 
-def default_log_dir(config: SpeedtronicConfig) -> Path:
+def default_log_dir(run: RunStart) -> Path:
     """``<run.output_dir>/tensorboard``."""
-    return config.output_dir / "tensorboard"
+    return run.output_dir / "tensorboard"
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, bool | int | float | str]:
@@ -125,25 +125,20 @@ def hparams_end_summary(failed: bool) -> Any:
 class TensorBoardBackend:
     """Writes one run's scalars, config and summary to a TensorBoard log directory."""
 
-    label = "TensorBoard"
-
-    def __init__(
-        self, settings: TensorBoardConfig, config: SpeedtronicConfig, start_step: int = 0
-    ) -> None:
+    def __init__(self, settings: TensorBoardConfig, run: RunStart) -> None:
         writer_module = load()
-        self.log_dir = Path(settings.log_dir) if settings.log_dir else default_log_dir(config)
+        self.log_dir = Path(settings.log_dir) if settings.log_dir else default_log_dir(run)
         # On resume from step N, purge_step N+1 hides what a crashed run logged after its
         # last checkpoint, so the curves do not double back on themselves.
         self.writer = writer_module.SummaryWriter(
             log_dir=str(self.log_dir),
             flush_secs=settings.flush_secs,
-            purge_step=start_step + 1 if start_step else None,
+            purge_step=run.start_step + 1 if run.start_step else None,
         )
-        hyperparameters = config.to_dict(redact=True)
-        text = yaml.safe_dump(hyperparameters, sort_keys=False)
-        self.writer.add_text("config", f"```yaml\n{text}```", start_step)
-        for summary in hparams_start_summaries(hyperparameters):
-            self.writer.file_writer.add_summary(summary, start_step)
+        text = yaml.safe_dump(run.hyperparameters, sort_keys=False)
+        self.writer.add_text("config", f"```yaml\n{text}```", run.start_step)
+        for summary in hparams_start_summaries(run.hyperparameters):
+            self.writer.file_writer.add_summary(summary, run.start_step)
         self.writer.flush()
         log.info("TensorBoard event files: %s", self.log_dir)
 
@@ -160,10 +155,39 @@ class TensorBoardBackend:
         """The final summary as a text panel."""
         self.writer.add_text("summary", markdown_table(summary), step)
 
-    def finish(self, error: BaseException | None) -> None:
+    def finish(self, failed: bool) -> None:
         """Mark the HParams session succeeded or failed, flush and close the writer."""
         try:
-            self.writer.file_writer.add_summary(hparams_end_summary(error is not None))
+            self.writer.file_writer.add_summary(hparams_end_summary(failed))
             self.writer.flush()
         finally:
             self.writer.close()
+
+
+class TensorBoardSink(BackendSink):
+    """TensorBoard event files as a metric sink: ``MetricLogger(hooks=[TensorBoardSink()])``.
+
+    Takes the settings of the ``tensorboard:`` section (``log_dir``, ``flush_secs``), checked
+    the same way. Each ``train_start`` event opens a writer on ``log_dir`` (default
+    ``<run.output_dir>/tensorboard`` of the config that event carries) and ``close()`` marks the
+    run succeeded or failed and closes the writer. Raises :class:`~speedtronic.PluginError`
+    naming the ``[tensorboard]`` extra when the ``tensorboard`` package is missing.
+    """
+
+    label = "TensorBoard"
+
+    def __init__(self, **settings: Any) -> None:
+        self.settings: TensorBoardConfig = section_settings(
+            TensorBoardConfig, "tensorboard", settings
+        )
+        load()
+        super().__init__()
+
+    @classmethod
+    def from_section(cls, section: TensorBoardConfig) -> TensorBoardSink:
+        """The sink a config's ``tensorboard:`` section describes."""
+        return cls(**settings_of(section))
+
+    def open_backend(self, run: RunStart) -> TensorBoardBackend:
+        """A writer for the run that ``train_start`` announced."""
+        return TensorBoardBackend(self.settings, run)

@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from speedtronic import hookimpl
+from speedtronic_models.config import MODEL_NAME
 
-MODEL_NAMES = ("reference_transformer",)
+MODEL_NAMES = (MODEL_NAME,)
 
 
 @hookimpl

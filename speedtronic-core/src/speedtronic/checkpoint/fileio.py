@@ -22,6 +22,7 @@ __all__ = [
     "atomic_writer",
     "fsync_dir",
     "fsync_file",
+    "probe_writable",
     "sha256_chunks",
     "sha256_file",
 ]
@@ -136,3 +137,24 @@ def sha256_chunks(
             return list(pool.map(digest, offsets))
     finally:
         os.close(fd)
+
+
+def probe_writable(directory: str | os.PathLike[str]) -> None:
+    """Prove that files can be written into ``directory`` the way checkpoints are: create it
+    if needed, then create, write, fsync and rename a probe file (removed again). Raises
+    ``OSError`` naming what failed."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, temp = tempfile.mkstemp(prefix=".write-probe.", suffix=".tmp", dir=directory)
+    final = Path(temp).with_suffix(".done")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(b"speedtronic write probe\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, final)
+        fsync_dir(directory)
+    finally:
+        for leftover in (temp, final):
+            with contextlib.suppress(OSError):
+                os.unlink(leftover)

@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,7 @@ __all__ = [
     "CheckpointManager",
     "LoadedCheckpoint",
     "checkpoint_name",
+    "free_space",
     "step_of",
 ]
 
@@ -58,7 +60,8 @@ POINTER = "latest.json"
 TENSORS = "tensors.safetensors"
 STATE = "state.json"
 MANIFEST = "manifest.json"
-NAME_PATTERN = re.compile(r"^step_(\d{8,})$")
+# 8 to 18 digits: every step an int64 holds, and never a number too long to convert.
+NAME_PATTERN = re.compile(r"^step_(\d{8,18})$")
 # Files are hashed in slices of this size, in parallel, so big checkpoints verify quickly.
 HASH_CHUNK_BYTES = 32 << 20
 # Anything in the directory starting with this is ours and unreferenced: staging directories
@@ -117,10 +120,11 @@ class CheckpointManager:
                 self.directory / POINTER,
                 json.dumps({"checkpoint": name, "step": step, "format": FORMAT_VERSION}) + "\n",
             )
-        except OSError as exc:
+        except Exception as exc:  # OSError, or safetensors' own error for a full disk
             raise CheckpointError(
-                f"could not write checkpoint {name} in {self.directory}: {exc}"
-            ) from exc
+                f"could not write checkpoint {name} in {self.directory}: "
+                f"{type(exc).__name__}: {exc} ({free_space(self.directory)})"
+            ) from None
         self._apply_retention(step)
         log.debug("checkpoint %s written", final)
         return final
@@ -277,8 +281,11 @@ class CheckpointManager:
                 raise CheckpointError(f"{path.name}/{filename} fails its sha256 check")
         return step
 
-    def read(self, path: Path) -> LoadedCheckpoint:
-        """Verify and decode one checkpoint directory (safetensors and JSON, never pickle)."""
+    def read(self, path: Path, check: Callable[[Any], None] | None = None) -> LoadedCheckpoint:
+        """Verify and decode one checkpoint directory (safetensors and JSON, never pickle).
+
+        ``check(state)`` may raise :class:`CheckpointError` for a state that decodes but is not
+        what its reader needs (a tampered file with a consistent manifest)."""
         step = self.verify(path)
         try:
             tensors = load_file(str(path / TENSORS))
@@ -288,9 +295,14 @@ class CheckpointManager:
             raise CheckpointError(
                 f"{path.name}: cannot decode ({type(exc).__name__}: {exc})"
             ) from None
+        if check is not None:
+            try:
+                check(state)
+            except CheckpointError as exc:
+                raise CheckpointError(f"{path.name}: {exc}") from None
         return LoadedCheckpoint(path=path, step=step, state=state)
 
-    def load_latest(self) -> LoadedCheckpoint | None:
+    def load_latest(self, check: Callable[[Any], None] | None = None) -> LoadedCheckpoint | None:
         """The newest usable checkpoint, or None when the directory holds none at all.
 
         ``latest.json``'s target is tried first, then the checkpoints older than it, newest
@@ -310,7 +322,7 @@ class CheckpointManager:
         failures = []
         for path in order:
             try:
-                return self.read(path)
+                return self.read(path, check)
             except CheckpointError as exc:
                 log.warning("skipping unusable checkpoint %s: %s", path, exc)
                 failures.append(str(exc))
@@ -318,6 +330,17 @@ class CheckpointManager:
             f"no usable checkpoint in {self.directory} ({'; '.join(failures)}); "
             "set checkpoint.allow_fresh_start: true to start over"
         )
+
+
+def free_space(directory: Path) -> str:
+    """ "N MiB free" on the filesystem of ``directory`` (or its nearest existing parent)."""
+    probe = directory
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        return f"{shutil.disk_usage(probe).free / 2**20:.0f} MiB free there"
+    except OSError:
+        return "free space unknown"
 
 
 def _describe(path: Path) -> dict[str, Any]:

@@ -1,0 +1,180 @@
+"""``build_dataloader``: the run's data source, picked from the config and the model's limits."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+
+from torch.utils.data import Dataset, IterableDataset
+
+from speedtronic.config import SpeedtronicConfig
+from speedtronic.data.shards import shard_source
+from speedtronic.data.source import DataSource, nonempty, skip_samples, stream_batches
+from speedtronic.data.streams import Batch, check_rank
+from speedtronic.data.synthetic import SyntheticTokenStream
+from speedtronic.data.text import (
+    BYTE_VOCAB,
+    ByteTextStream,
+    TokenizedTextStream,
+    Tokenizer,
+    byte_tokenizer,
+)
+from speedtronic.data.user import user_source
+from speedtronic.errors import DataError
+
+__all__ = ["build_dataloader", "build_eval_source"]
+
+log = logging.getLogger("speedtronic.data")
+
+
+def build_dataloader(
+    config: SpeedtronicConfig,
+    dataset: Dataset | IterableDataset | None = None,
+    tokenizer: Tokenizer | None = None,
+    *,
+    seq_len: int | None = None,
+    vocab_size: int | None = None,
+    seed: int | None = None,
+    rank: int = 0,
+    num_ranks: int = 1,
+) -> DataSource:
+    """The run's data as a resumable :class:`DataSource` of micro-batches.
+
+    ``dataset`` (any map-style or iterable dataset of samples) wins; otherwise the token shards
+    of ``data.shards``, the text stream when ``data.text_path`` is set (bytes, or
+    ``tokenizer``), else the synthetic stream. ``seq_len``/``vocab_size`` are the model's
+    limits: ``data.seq_len``/``data.vocab_size`` default to them and may not exceed them.
+    ``seed`` overrides ``data.seed``/``run.seed``.
+
+    ``rank``/``num_ranks`` give this process its own share of the samples (a DDP rank or a
+    DiLoCo node): the shard, synthetic and byte-level streams read the global samples
+    ``i * num_ranks + rank``, disjoint between ranks that pass the same ``seed``.
+    """
+    data = config.data
+    micro = data.micro_batch_size
+    check_rank(rank, num_ranks)
+    if dataset is not None:
+        if data.text_path or data.shards:
+            log.warning(
+                "a dataset was passed, so data.%s (%s) is not used",
+                "shards" if data.shards else "text_path",
+                data.shards or data.text_path,
+            )
+        if num_ranks > 1:
+            log.warning("a user dataset is not split by rank; rank %d reads all of it", rank)
+        return user_source(config, dataset, seed if seed is not None else config.data_seed)
+
+    seq_len = _within("seq_len", data.seq_len, seq_len, "max_seq_len")
+    if seq_len is None:
+        raise DataError("data.seq_len is not set and the model has no max_seq_len to default to")
+    stream_seed = seed if seed is not None else config.data_seed
+    if data.shards:
+        limit = _within("vocab_size", data.vocab_size, vocab_size, "vocab_size")
+        return shard_source(
+            data.shards,
+            seq_len=seq_len,
+            micro_batch_size=micro,
+            vocab_size=limit,
+            vocab_label="data.vocab_size" if data.vocab_size else "the model's vocab_size",
+            seed=stream_seed,
+            rank=rank,
+            num_ranks=num_ranks,
+            verify=data.verify_shards,
+            config=config,
+        )
+    if data.text_path:
+        path = data.text_path
+        if tokenizer is None or tokenizer is byte_tokenizer:
+            if vocab_size is not None and vocab_size < BYTE_VOCAB:
+                raise DataError(
+                    f"data.text_path: byte-level text needs a vocabulary of at least "
+                    f"{BYTE_VOCAB}, but the model's vocab_size is {vocab_size}; pass a tokenizer"
+                )
+            ByteTextStream(path, seq_len, micro)  # check the file now, in the main process
+
+            def iterate_bytes(start: int) -> Iterator[Batch]:
+                stream = ByteTextStream(path, seq_len, micro, start, rank=rank, num_ranks=num_ranks)
+                return stream_batches(config, stream)
+
+            return DataSource(iterate_bytes, description=f"text {path} (bytes, seq {seq_len})")
+        if num_ranks > 1:
+            log.warning("a tokenized text stream is not split by rank; rank %d reads all", rank)
+        stream = TokenizedTextStream(path, seq_len, micro, tokenizer)
+
+        def iterate_text(start: int) -> Iterator[Batch]:
+            batches = nonempty(
+                stream_batches(config, stream),
+                f"data.text_path: {path} yields no block of seq_len + 1 = {seq_len + 1} tokens "
+                "with this tokenizer",
+            )
+            return skip_samples(batches, start, micro)
+
+        return DataSource(
+            iterate_text,
+            exact_resume=False,
+            description=f"text {path} ({getattr(tokenizer, '__name__', 'tokenizer')}, "
+            f"seq {seq_len})",
+        )
+
+    vocab = _within("vocab_size", data.vocab_size, vocab_size, "vocab_size")
+    if vocab is None:
+        raise DataError("data.vocab_size is not set and the model has no vocab_size")
+    return DataSource(
+        lambda start: stream_batches(
+            config,
+            SyntheticTokenStream(
+                vocab, seq_len, micro, stream_seed, start, rank=rank, num_ranks=num_ranks
+            ),
+        ),
+        description=f"synthetic (vocab {vocab}, seq {seq_len}, seed {stream_seed})",
+    )
+
+
+def build_eval_source(
+    config: SpeedtronicConfig,
+    *,
+    directory: str | os.PathLike[str] | None = None,
+    seq_len: int | None = None,
+    vocab_size: int | None = None,
+    micro_batch_size: int | None = None,
+    rank: int = 0,
+    num_ranks: int = 1,
+) -> DataSource:
+    """The held-out ``eval/`` split of a shard directory (``directory``, else ``data.shards``)
+    as a :class:`DataSource`: its windows in shard order, the same ones every time, split by
+    ``rank``/``num_ranks`` like training (for rank-sharded evaluation), endless (the evaluator
+    takes as many micro-batches as it wants). Nothing here is ever read by training, which
+    uses ``train/`` only. The limits follow :func:`build_dataloader`; ``micro_batch_size``
+    defaults to ``data.micro_batch_size``.
+    """
+    data = config.data
+    directory = directory or data.shards
+    if not directory:
+        raise DataError("eval data from token shards needs data.shards (or a shard directory)")
+    seq_len = _within("seq_len", data.seq_len, seq_len, "max_seq_len")
+    if seq_len is None:
+        raise DataError("data.seq_len is not set and the model has no max_seq_len to default to")
+    limit = _within("vocab_size", data.vocab_size, vocab_size, "vocab_size")
+    return shard_source(
+        directory,
+        split="eval",
+        seq_len=seq_len,
+        micro_batch_size=micro_batch_size or data.micro_batch_size,
+        vocab_size=limit,
+        vocab_label="data.vocab_size" if data.vocab_size else "the model's vocab_size",
+        shuffle=False,
+        rank=rank,
+        num_ranks=num_ranks,
+        verify=data.verify_shards,
+        config=config,
+        where="eval shards" if directory != data.shards else "data.shards",
+    )
+
+
+def _within(field: str, configured: int | None, limit: int | None, model_field: str) -> int | None:
+    if configured is None:
+        return limit
+    if limit is not None and configured > limit:
+        raise DataError(f"data.{field} is {configured} but the model's {model_field} is {limit}")
+    return configured

@@ -1,0 +1,514 @@
+"""``speedtronic data prepare``: tokenize a corpus once into memory-mappable token shards.
+
+Documents are tokenized whole (no BPE merge is ever split by a chunk edge) and separated by
+the tokenizer's EOS id. A document goes to the ``eval`` split when a keyed hash of its text
+falls below ``eval_fraction``: deterministic, independent of file order and worker count, and
+exact duplicates always land in the same split (no train/eval leakage through copies).
+
+Work is cut into tasks of a few MiB (line- or document-aligned byte ranges of big files, or
+several small files) and tokenized in ``workers`` spawned processes; the results are written in
+task order, so the output does not depend on the worker count: the same command always writes
+byte-identical files.
+
+Durability: shards are written under temporary names into a hidden staging folder of the output
+directory, fsynced and renamed; only when every input has been read are they moved into
+``train/`` and ``eval/`` and ``index.json`` written, atomically, last. A failed or interrupted
+prepare leaves the previous output as it was; a killed one leaves at worst a directory without
+``index.json``, which no reader accepts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from speedtronic.data.documents import (
+    Piece,
+    ReadOptions,
+    Skips,
+    find_inputs,
+    plan_pieces,
+    read_piece,
+)
+from speedtronic.data.encoders import Encoder, EncoderSpec, load_encoder_spec
+from speedtronic.data.format import (
+    DTYPES,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    INDEX_NAME,
+    SHARD_GLOB,
+    SPLITS,
+    shard_file,
+)
+from speedtronic.errors import DataError
+
+__all__ = ["DEFAULT_SHARD_TOKENS", "PrepareResult", "prepare"]
+
+log = logging.getLogger("speedtronic.data")
+
+DEFAULT_SHARD_TOKENS = 100_000_000
+DEFAULT_TASK_BYTES = 4 << 20
+_STAGING_PREFIX = ".prepare-"
+_LOCK_NAME = ".prepare.lock"
+_EVAL_KEY = b"speedtronic-eval-split"
+
+
+@dataclass(frozen=True)
+class TaskOptions:
+    """What every task needs besides its pieces."""
+
+    read: ReadOptions
+    append_eos: bool
+    eval_threshold: int  # a document is held out when its 64-bit hash is below this
+
+
+@dataclass
+class TaskResult:
+    """The tokens of one task, per split, and what was counted on the way."""
+
+    tokens: dict[str, np.ndarray]
+    documents: dict[str, int]
+    empty: int
+    skipped: int
+    skip_examples: list[str]
+    input_bytes: int
+
+
+@dataclass
+class PrepareResult:
+    """What a prepare wrote: counts per split, the index, and how long it took."""
+
+    out: Path
+    index: dict[str, Any]
+    documents: dict[str, int]
+    tokens: dict[str, int]
+    shards: dict[str, int]
+    empty: int
+    skipped: int
+    skip_examples: list[str]
+    input_files: int
+    input_bytes: int
+    elapsed_s: float
+    workers: int
+
+    def summary(self) -> str:
+        """One line for the terminal."""
+        seconds = max(self.elapsed_s, 1e-9)
+        total = sum(self.tokens.values())
+        line = (
+            f"prepared {sum(self.documents.values())} documents from {self.input_files} files "
+            f"into {self.out}: train {self.tokens['train']} tokens in {self.shards['train']} "
+            f"shards, eval {self.tokens['eval']} tokens in {self.shards['eval']} shards "
+            f"({self.index['dtype']}, vocab {self.index['vocab_size']}); "
+            f"{self.elapsed_s:.1f}s, {self.input_bytes / seconds / 1e6:.1f} MB/s, "
+            f"{total / seconds:,.0f} tokens/s"
+        )
+        if self.empty:
+            line += f"; {self.empty} empty documents left out"
+        if self.skipped:
+            line += f"; skipped {self.skipped} bad records (first: {self.skip_examples[0]})"
+        return line
+
+
+# ---------------------------------------------------------------------------------- tasks
+_worker_encoder: Encoder | None = None
+
+
+def _init_worker(spec: EncoderSpec, threads: int) -> None:
+    """Runs once in each worker process: bound the tokenizer's Rust thread pool, load it."""
+    global _worker_encoder
+    for name in ("RAYON_NUM_THREADS", "RAYON_RS_NUM_CPUS"):
+        os.environ.setdefault(name, str(threads))
+    _worker_encoder = spec.load()
+
+
+def _worker_task(pieces: list[Piece], options: TaskOptions) -> TaskResult:
+    assert _worker_encoder is not None, "worker not initialised"
+    return run_task(pieces, options, _worker_encoder)
+
+
+def _eval_hash(text: str) -> int:
+    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8, key=_EVAL_KEY).digest()
+    return int.from_bytes(digest, "little")
+
+
+def run_task(pieces: Sequence[Piece], options: TaskOptions, encoder: Encoder) -> TaskResult:
+    """Read, split and tokenize the documents of ``pieces``, in order."""
+    skips = Skips()
+    docs: dict[str, list[str]] = {split: [] for split in SPLITS}
+    empty = 0
+    threshold = options.eval_threshold
+    for piece in pieces:
+        for text in read_piece(piece, options.read, skips):
+            if not text:
+                empty += 1
+            elif threshold and _eval_hash(text) < threshold:
+                docs["eval"].append(text)
+            else:
+                docs["train"].append(text)
+    return TaskResult(
+        tokens={split: encoder.encode(texts, options.append_eos) for split, texts in docs.items()},
+        documents={split: len(texts) for split, texts in docs.items()},
+        empty=empty,
+        skipped=skips.count,
+        skip_examples=skips.examples,
+        input_bytes=sum(piece.size for piece in pieces),
+    )
+
+
+def group_tasks(pieces: Sequence[Piece], task_bytes: int) -> list[list[Piece]]:
+    """Consecutive pieces grouped into tasks of about ``task_bytes`` (small files together)."""
+    tasks: list[list[Piece]] = []
+    current: list[Piece] = []
+    size = 0
+    for piece in pieces:
+        if current and size + piece.size > task_bytes:
+            tasks.append(current)
+            current, size = [], 0
+        current.append(piece)
+        size += piece.size
+    if current:
+        tasks.append(current)
+    return tasks
+
+
+def _results(
+    tasks: list[list[Piece]], options: TaskOptions, spec: EncoderSpec, workers: int
+) -> Iterator[TaskResult]:
+    """Task results in task order; at most ``2 * workers`` tasks in flight."""
+    if workers <= 1 or len(tasks) <= 1:
+        encoder = spec.load()
+        for task in tasks:
+            yield run_task(task, options, encoder)
+        return
+    workers = min(workers, len(tasks))
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    pool = ProcessPoolExecutor(
+        max_workers=workers,
+        # spawn: workers must not inherit a parent's threads (torch, rich, tokenizers) mid-lock.
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_init_worker,
+        initargs=(spec, threads),
+    )
+    pending: deque[Future[TaskResult]] = deque()
+    queue = iter(tasks)
+    try:
+        for task in queue:
+            pending.append(pool.submit(_worker_task, task, options))
+            if len(pending) >= 2 * workers:
+                break
+        while pending:
+            result = pending.popleft().result()
+            for task in queue:
+                pending.append(pool.submit(_worker_task, task, options))
+                break
+            yield result
+    finally:
+        for future in pending:
+            future.cancel()
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+# ---------------------------------------------------------------------------------- writing
+class _SplitWriter:
+    """Writes one split's token stream as shards of exactly ``shard_tokens`` tokens (the last
+    one shorter), each to a temp name, fsynced and renamed; sha256 computed on the way."""
+
+    def __init__(self, directory: Path, split: str, dtype: np.dtype, shard_tokens: int) -> None:
+        self.directory = directory
+        self.split = split
+        self.dtype = dtype
+        self.shard_tokens = shard_tokens
+        self.shards: list[dict[str, Any]] = []
+        self._stack: contextlib.ExitStack | None = None
+        self._handle: BinaryIO | None = None
+        self._hash = hashlib.sha256()
+        self._count = 0
+
+    def write(self, tokens: np.ndarray) -> None:
+        tokens = tokens.astype(self.dtype, copy=False)
+        while tokens.size:
+            if self._handle is None:
+                self._open()
+            room = self.shard_tokens - self._count
+            chunk = tokens[:room]
+            data = memoryview(np.ascontiguousarray(chunk)).cast("B")
+            self._handle.write(data)  # type: ignore[union-attr]
+            self._hash.update(data)
+            self._count += chunk.size
+            tokens = tokens[room:]
+            if self._count == self.shard_tokens:
+                self._finish()
+
+    def close(self) -> list[dict[str, Any]]:
+        if self._handle is not None:
+            self._finish()
+        return self.shards
+
+    def abort(self) -> None:
+        if self._stack is not None:
+            stack, self._stack, self._handle = self._stack, None, None
+            with contextlib.suppress(Exception):
+                stack.__exit__(DataError, DataError("aborted"), None)
+
+    def _open(self) -> None:
+        from speedtronic.checkpoint.fileio import atomic_writer
+
+        name = shard_file(self.split, len(self.shards))
+        self._stack = contextlib.ExitStack()
+        self._handle = self._stack.enter_context(atomic_writer(self.directory / name))
+        _readable(self._handle)
+        self._hash = hashlib.sha256()
+        self._count = 0
+
+    def _finish(self) -> None:
+        assert self._stack is not None
+        stack, self._stack, self._handle = self._stack, None, None
+        stack.close()  # flush, fsync, rename
+        self.shards.append(
+            {
+                "file": shard_file(self.split, len(self.shards)),
+                "tokens": self._count,
+                "sha256": self._hash.hexdigest(),
+            }
+        )
+
+
+def _readable(handle: BinaryIO) -> None:
+    """Give a temp file (created 0600) the mode a plain ``open`` would: datasets are shared."""
+    umask = os.umask(0)
+    os.umask(umask)
+    with contextlib.suppress(OSError, AttributeError):
+        os.fchmod(handle.fileno(), 0o666 & ~umask)
+
+
+@contextlib.contextmanager
+def _locked(out: Path) -> Iterator[None]:
+    """One prepare at a time per output directory."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock
+        yield
+        return
+    with open(out / _LOCK_NAME, "a+b") as handle:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise DataError(f"another `speedtronic data prepare` is writing {out}") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def _commit(out: Path, staging: Path, index: dict[str, Any]) -> None:
+    """Move the staged shards into place and write ``index.json`` last."""
+    from speedtronic.checkpoint.fileio import atomic_writer, fsync_dir
+
+    old_index = out / INDEX_NAME
+    if old_index.exists():
+        old_index.unlink()  # from here until the new index lands, the directory reads as unfinished
+        fsync_dir(out)
+    for split in SPLITS:
+        target = out / split
+        new = {Path(entry["file"]).name for entry in index["splits"][split]["shards"]}
+        if target.is_dir():
+            for stale in target.glob(SHARD_GLOB):
+                if stale.name not in new:
+                    stale.unlink()
+        if new:
+            target.mkdir(exist_ok=True)
+            for name in sorted(new):
+                os.replace(staging / split / name, target / name)
+            fsync_dir(target)
+        elif target.is_dir() and not any(target.iterdir()):
+            target.rmdir()
+    with atomic_writer(old_index) as handle:
+        _readable(handle)
+        handle.write((json.dumps(index, indent=2) + "\n").encode("utf-8"))
+
+
+def _progress_bar(enabled: bool, total: int) -> Any:
+    if not enabled:
+        return None
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TransferSpeedColumn,
+    )
+
+    progress = Progress(
+        TextColumn("[bold]prepare"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TextColumn("{task.fields[documents]:,} docs"),
+        TextColumn("{task.fields[tokens]:,} tokens"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
+    progress.start()
+    progress.add_task("prepare", total=total, documents=0, tokens=0)
+    return progress
+
+
+def _default_workers() -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, 16))
+
+
+def prepare(
+    inputs: Sequence[str | os.PathLike[str]],
+    out: str | os.PathLike[str],
+    *,
+    tokenizer: str | os.PathLike[str] = "bytes",
+    text_field: str = "text",
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    eval_fraction: float = 0.0,
+    workers: int | None = None,
+    append_eos: bool = True,
+    eos_token: str | None = None,
+    split_blank_lines: bool = False,
+    skip_bad: bool = False,
+    max_doc_bytes: int = 64 << 20,
+    progress: bool | None = None,
+    task_bytes: int = DEFAULT_TASK_BYTES,
+    on_result: Callable[[TaskResult], None] | None = None,
+) -> PrepareResult:
+    """Tokenize ``inputs`` into the token-shard directory ``out`` (see the module docstring).
+
+    ``progress`` shows a rich progress bar on stderr (default: when stderr is a terminal).
+    ``workers`` defaults to the usable CPU cores (at most 16). ``on_result`` is called with
+    each task's result, in order, before it is written.
+    """
+    started = time.perf_counter()
+    if shard_tokens < 1:
+        raise DataError(f"--shard-tokens must be at least 1, got {shard_tokens}")
+    if not 0.0 <= eval_fraction < 1.0:
+        raise DataError(f"--eval-fraction must be in [0, 1), got {eval_fraction}")
+    if workers is not None and workers < 1:
+        raise DataError(f"--workers must be at least 1, got {workers}")
+    if max_doc_bytes < 1 or task_bytes < 1:
+        raise DataError("--max-doc-bytes and the task size must be positive")
+    if not text_field:
+        raise DataError("--text-field must not be empty")
+    workers = workers or _default_workers()
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--out {out} exists and is not a directory")
+
+    spec = load_encoder_spec(tokenizer, eos_token, append_eos)
+    dtype = DTYPES[spec.dtype]
+    read = ReadOptions(text_field, split_blank_lines, skip_bad, max_doc_bytes)
+    files = find_inputs(inputs, exclude=out)
+    skips = Skips()
+    tasks = group_tasks(plan_pieces(files, read, task_bytes, skips), task_bytes)
+    options = TaskOptions(read, append_eos, int(eval_fraction * 2**64))
+
+    out.mkdir(parents=True, exist_ok=True)
+    documents = dict.fromkeys(SPLITS, 0)
+    tokens = dict.fromkeys(SPLITS, 0)
+    empty = input_bytes = 0
+    with _locked(out):
+        for stale in out.glob(_STAGING_PREFIX + "*"):
+            shutil.rmtree(stale, ignore_errors=True)  # left by a killed prepare
+        staging = Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=out))
+        writers = {split: _SplitWriter(staging, split, dtype, shard_tokens) for split in SPLITS}
+        enabled = sys.stderr.isatty() if progress is None else progress
+        bar = _progress_bar(enabled, sum(piece.size for task in tasks for piece in task))
+        try:
+            for result in _results(tasks, options, spec, workers):
+                if on_result is not None:
+                    on_result(result)
+                for split in SPLITS:
+                    writers[split].write(result.tokens[split])
+                    documents[split] += result.documents[split]
+                    tokens[split] += int(result.tokens[split].size)
+                empty += result.empty
+                input_bytes += result.input_bytes
+                skips.merge(result.skipped, result.skip_examples)
+                if bar is not None:
+                    bar.update(
+                        bar.task_ids[0],
+                        advance=result.input_bytes,
+                        documents=sum(documents.values()),
+                        tokens=sum(tokens.values()),
+                    )
+            shards = {split: writer.close() for split, writer in writers.items()}
+            if not tokens["train"]:
+                raise DataError(
+                    f"no documents to train on in {', '.join(map(str, inputs))} "
+                    f"({len(files)} files read, {empty} empty documents, {skips.count} bad "
+                    f"records skipped, {documents['eval']} held out for eval)"
+                )
+            index = {
+                "format": FORMAT_NAME,
+                "version": FORMAT_VERSION,
+                "dtype": spec.dtype,
+                "byte_order": "little",
+                "vocab_size": spec.vocab_size,
+                "eos_id": spec.eos_id,
+                "append_eos": append_eos,
+                "tokenizer": spec.describe(),
+                "text_field": text_field,
+                "split_blank_lines": split_blank_lines,
+                "shard_tokens": shard_tokens,
+                "eval_fraction": eval_fraction,
+                "counts": {"empty_documents": empty, "skipped_records": skips.count},
+                "splits": {
+                    split: {
+                        "documents": documents[split],
+                        "tokens": tokens[split],
+                        "shards": shards[split],
+                    }
+                    for split in SPLITS
+                },
+            }
+            _commit(out, staging, index)
+        finally:
+            if bar is not None:
+                bar.stop()
+            for writer in writers.values():
+                writer.abort()
+            shutil.rmtree(staging, ignore_errors=True)
+    if skips.count:
+        for example in skips.examples:
+            log.warning("skipped: %s", example)
+    return PrepareResult(
+        out=out,
+        index=index,
+        documents=documents,
+        tokens=tokens,
+        shards={split: len(shards[split]) for split in SPLITS},
+        empty=empty,
+        skipped=skips.count,
+        skip_examples=skips.examples,
+        input_files=len(files),
+        input_bytes=input_bytes,
+        elapsed_s=time.perf_counter() - started,
+        workers=workers,
+    )

@@ -1,0 +1,111 @@
+"""The resumable :class:`DataSource` and the loader plumbing every source shares."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from itertools import islice
+from typing import Any
+
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from speedtronic.config import SpeedtronicConfig
+from speedtronic.data.streams import Batch
+from speedtronic.errors import DataError
+
+__all__ = ["DataSource", "repeat_epochs"]
+
+log = logging.getLogger("speedtronic.data")
+
+
+@dataclass
+class DataSource:
+    """A resumable source of micro-batches: ``iterate(start_sample)`` starts the stream at a
+    global sample index. ``exact_resume`` is False when resuming can only re-read and skip."""
+
+    make_iterator: Callable[[int], Iterator[Any]]
+    exact_resume: bool = True
+    description: str = ""
+
+    def iterate(self, start_sample: int = 0) -> Iterator[Any]:
+        """An iterator over micro-batches starting at sample ``start_sample``."""
+        return self.make_iterator(start_sample)
+
+
+def loader_kwargs(config: SpeedtronicConfig) -> dict[str, Any]:
+    """``num_workers``, ``pin_memory`` and ``prefetch_factor`` for a DataLoader."""
+    data = config.data
+    kwargs: dict[str, Any] = {"num_workers": data.num_workers, "pin_memory": data.pin_memory}
+    if data.num_workers > 0:
+        kwargs["prefetch_factor"] = data.prefetch_factor or 2
+    elif data.prefetch_factor is not None:
+        log.info("data.prefetch_factor only applies with num_workers > 0; ignored")
+    return kwargs
+
+
+def make_loader(
+    config: SpeedtronicConfig, dataset: Dataset | IterableDataset, **kwargs: Any
+) -> DataLoader:
+    """A DataLoader over ``dataset`` with the config's worker and pinning options."""
+    return DataLoader(dataset, **kwargs, **loader_kwargs(config))
+
+
+def stream_batches(config: SpeedtronicConfig, stream: IterableDataset) -> Iterator[Batch]:
+    """Iterate a stream that yields whole micro-batches, through a DataLoader when needed."""
+    if config.data.num_workers == 0 and not config.data.pin_memory:
+        # In-process and unpinned, a DataLoader would only add per-batch bookkeeping.
+        return iter(stream)
+    # The streams yield whole micro-batches, so the loader must not batch again.
+    return iter(make_loader(config, stream, batch_size=None))
+
+
+def repeat_epochs(
+    data: Iterable[Any], empty_message: str = "the training data yielded no batches"
+) -> Iterator[Any]:
+    """Iterate ``data`` epoch after epoch when it can be iterated again (a list, a DataLoader);
+    a one-shot iterator (a generator) is iterated once. An empty epoch raises
+    ``DataError(empty_message)``."""
+    # The first iterator is made now, not on first use: a DataLoader's iterator draws its seed
+    # from the global RNG, and the trainer restores a resumed run's RNG right after this call.
+    return _repeat_epochs(data, iter(data), empty_message)
+
+
+def _repeat_epochs(
+    data: Iterable[Any], iterator: Iterator[Any], empty_message: str
+) -> Iterator[Any]:
+    if iterator is data:
+        yield from iterator
+        return
+    while True:
+        empty = True
+        for batch in iterator:
+            empty = False
+            yield batch
+        if empty:
+            raise DataError(empty_message)
+        iterator = iter(data)
+
+
+def nonempty(iterator: Iterator[Any], message: str) -> Iterator[Any]:
+    """Pass ``iterator`` through, raising ``DataError(message)`` if it ends before any item."""
+    empty = True
+    for item in iterator:
+        empty = False
+        yield item
+    if empty:
+        raise DataError(message)
+
+
+def skip_samples(iterator: Iterator[Any], start_sample: int, micro: int) -> Iterator[Any]:
+    """``iterator`` after re-reading and dropping the micro-batches before ``start_sample``."""
+    skip_batches = start_sample // micro
+    if skip_batches:
+        log.warning(
+            "resuming this data source re-reads and skips %d consumed micro-batches", skip_batches
+        )
+        # Skip now rather than lazily on first use, for the same reason as in repeat_epochs:
+        # re-reading may start DataLoader epochs, whose seeds come from the global RNG.
+        deque(islice(iterator, skip_batches), maxlen=0)
+    return iterator

@@ -1,0 +1,85 @@
+"""Your own ``Dataset`` or ``IterableDataset`` of samples as a resumable source."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, IterableDataset, Sampler
+
+from speedtronic.config import SpeedtronicConfig
+from speedtronic.data.source import DataSource, make_loader, repeat_epochs, skip_samples
+from speedtronic.data.streams import _MASK64
+from speedtronic.errors import DataError
+
+__all__ = ["user_source"]
+
+log = logging.getLogger("speedtronic.data")
+
+
+def user_source(
+    config: SpeedtronicConfig, dataset: Dataset | IterableDataset, seed: int
+) -> DataSource:
+    """A :class:`DataSource` over a user dataset: a map-style one in a seeded per-epoch order
+    (exact resume), an iterable one epoch after epoch (resume re-reads and skips)."""
+    data = config.data
+    micro = data.micro_batch_size
+    batch_size = None if getattr(dataset, "yields_batches", False) else micro
+    name = type(dataset).__name__
+
+    if isinstance(dataset, IterableDataset):
+        if data.shuffle:
+            log.warning(
+                "data.shuffle applies to map-style datasets only; %s is iterable, so "
+                "shuffle inside its stream if you need it",
+                name,
+            )
+
+        def iterate(start: int) -> Iterator[Any]:
+            loader = make_loader(config, dataset, batch_size=batch_size)
+            return skip_samples(
+                repeat_epochs(loader, f"the dataset {name} produced no batches"), start, micro
+            )
+
+        return DataSource(iterate, exact_resume=False, description=name)
+
+    try:
+        length = len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        raise DataError(f"the dataset {name} is neither iterable-style nor sized") from None
+    if length == 0:
+        raise DataError(f"the dataset {name} passed to build_dataloader is empty")
+
+    def order(start: int) -> Iterator[int]:
+        # Epoch e's order depends only on (seed, e), so resuming at any sample is exact.
+        epoch, offset = divmod(start, length)
+        while True:
+            if data.shuffle:
+                generator = torch.Generator().manual_seed((seed * 1_000_003 + epoch) & _MASK64)
+                indices = torch.randperm(length, generator=generator).tolist()
+            else:
+                indices = list(range(length))
+            yield from indices[offset:]
+            offset = 0
+            epoch += 1
+
+    def iterate_map(start: int) -> Iterator[Any]:
+        loader = make_loader(
+            config, dataset, batch_size=batch_size, sampler=_OrderSampler(order, start)
+        )
+        return iter(loader)
+
+    return DataSource(iterate_map, description=f"{name} ({length} samples)")
+
+
+class _OrderSampler(Sampler[int]):
+    """An endless sampler over ``order(start)``."""
+
+    def __init__(self, order: Callable[[int], Iterator[int]], start: int) -> None:
+        self.order = order
+        self.start = start
+
+    def __iter__(self) -> Iterator[int]:
+        return self.order(self.start)
