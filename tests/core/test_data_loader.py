@@ -164,3 +164,27 @@ def test_data_limits_must_fit_the_model(tmp_path):
 def test_empty_map_dataset_is_an_error():
     with pytest.raises(DataError, match="empty"):
         build_dataloader(data_config(), dataset=Numbers(0))
+
+
+def test_the_data_package_keeps_every_name_of_the_single_module_and_stays_light():
+    import importlib
+    import subprocess
+    import sys
+
+    import speedtronic.data as package
+
+    old = ["IGNORE_INDEX", "Batch", "ByteTextStream", "DataSource", "IndexedTokenStream",
+           "SyntheticTokenStream", "TokenizedTextStream", "Tokenizer", "build_dataloader",
+           "byte_tokenizer", "check_text_file", "repeat_epochs", "split_windows", "BYTE_VOCAB",
+           "DataLoader", "_loader", "_skip", "_user_source"]  # fmt: skip
+    for name in [*old, *package.__all__]:
+        assert getattr(package, name) is not None, name
+    for module in ("streams", "synthetic", "text", "source", "user", "loader", "shards",
+                   "format", "documents", "encoders", "preparation", "prepare_cli"):  # fmt: skip
+        assert importlib.import_module(f"speedtronic.data.{module}").__all__
+    # `prepare` is the function even once its module is imported.
+    assert callable(package.prepare) and not isinstance(package.prepare, type(package))
+    # The prepare side (and its spawned workers) never pays for importing torch.
+    probe = "import sys, speedtronic.data.preparation; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "False", done.stderr

@@ -289,18 +289,24 @@ def test_state_that_does_not_fit_the_model_is_a_clear_error(tmp_path: Path) -> N
     wider = dict(
         config, model=dict(config["model"], d_model=64), checkpoint={"interval": 4, "resume": True}
     )
-    with pytest.raises(CheckpointError, match="does not fit this model"):
+    with pytest.raises(CheckpointError, match="does not fit this model") as caught:
         train(wider)
+    message = str(caught.value)
+    # Each mismatched tensor is named with both shapes: the first few, then a count.
+    assert "tok_emb.weight: checkpoint [256, 32] vs model [256, 64]" in message
+    assert message.count(" vs model ") == 4 and " more" in message
 
 
-def test_fresh_start_into_a_directory_with_checkpoints_warns(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+def test_fresh_start_into_a_directory_with_checkpoints_refuses_to_overwrite(
+    tmp_path: Path,
 ) -> None:
     config = make_config(tmp_path, run={"max_steps": 2})
     train(config)
-    with caplog.at_level(logging.WARNING, logger="speedtronic.trainer"):
+    before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "run/checkpoints").iterdir()}
+    with pytest.raises(CheckpointError, match=r"already holds checkpoints .*pass --resume"):
         train(config)
-    assert "already holds checkpoints" in caplog.text
+    after = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "run/checkpoints").iterdir()}
+    assert after == before  # nothing of the earlier run was touched
 
 
 class StatefulPlugin:

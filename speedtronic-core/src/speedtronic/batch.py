@@ -13,7 +13,15 @@ import torch
 
 from speedtronic.errors import SpeedtronicError
 
-__all__ = ["batch_size_and_tokens", "call_model", "loss_of", "move_to"]
+__all__ = [
+    "batch_size_and_tokens",
+    "call_model",
+    "label_mode",
+    "labels_as_inputs",
+    "loss_of",
+    "move_to",
+    "shifts_internally",
+]
 
 
 def loss_of(output: Any) -> torch.Tensor:
@@ -79,3 +87,26 @@ def batch_size_and_tokens(batch: Any) -> tuple[int, int]:
     if not isinstance(first, torch.Tensor) or first.ndim == 0:
         return 1, 1
     return int(first.shape[0]), int(first.numel())
+
+
+def shifts_internally(model: Any) -> bool:
+    """True for a Hugging Face ``PreTrainedModel`` (found by class name, without importing
+    transformers): such models shift ``labels`` themselves."""
+    return any(
+        cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers")
+        for cls in type(model).__mro__
+    )
+
+
+def label_mode(configured: str | None, model: Any) -> str:
+    """``data.labels``, or the model's natural choice when it is unset."""
+    if configured is not None:
+        return configured
+    return "inputs" if shifts_internally(model) else "shifted"
+
+
+def labels_as_inputs(batch: Any) -> Any:
+    """A ``{"input_ids", "labels"}`` batch with ``labels = input_ids`` (the model shifts)."""
+    if isinstance(batch, dict) and "input_ids" in batch and "labels" in batch:
+        return {**batch, "labels": batch["input_ids"]}
+    return batch

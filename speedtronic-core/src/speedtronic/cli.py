@@ -14,17 +14,20 @@ import os
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 from speedtronic import __version__
 from speedtronic.config import SpeedtronicConfig
-from speedtronic.errors import SpeedtronicError
+from speedtronic.errors import PluginError, SpeedtronicError
 
 __all__ = [
     "EXIT_USER_ERROR",
+    "GLOBAL_FLAGS",
     "build_parser",
     "cmd_plugins",
     "cmd_train",
     "cmd_validate",
+    "load_plugin_modules",
     "main",
 ]
 
@@ -81,13 +84,19 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     table = Table(title="speedtronic plugins")
-    for column in ("plugin", "distribution", "version", "hooks"):
+    for column in ("plugin", "distribution", "version", "provides", "hooks"):
         table.add_column(column, overflow="fold")
     for row in rows:
-        hooks = ", ".join(row.hooks)
+        hooks = escape(", ".join(row.hooks))
         if row.error:
             hooks = f"[red]failed to load: {escape(row.error)}[/red]"
-        table.add_row(escape(row.name), escape(row.distribution), escape(row.version), hooks)
+        table.add_row(
+            escape(row.name),
+            escape(row.distribution),
+            escape(row.version),
+            escape(", ".join(row.provides)),
+            hooks,
+        )
     # Wide enough that a pipe or a narrow terminal does not truncate names mid-word.
     Console(width=max(120, Console().width)).print(table)
     return 0
@@ -109,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The full parser, including the subcommands plugins add."""
     parser = argparse.ArgumentParser(prog="speedtronic", description="Be fast, be efficient.")
     parser.add_argument("--version", action="version", version=f"speedtronic {__version__}")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    for flag, options in GLOBAL_FLAGS.items():
+        parser.add_argument(flag, **options)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     train = sub.add_parser("train", help="train from a config file")
@@ -127,29 +137,75 @@ def build_parser() -> argparse.ArgumentParser:
 
     validate = sub.add_parser("validate", help="check a config and print it resolved")
     validate.add_argument("--config", "-c", required=True, help="YAML or JSON config file")
-    validate.add_argument("--format", choices=("yaml", "json"), default="yaml")
     validate.add_argument(
-        "--set", action="append", metavar="KEY=VALUE", help="override a dotted config key"
+        "--format", choices=("yaml", "json"), default="yaml", help="output format (default yaml)"
+    )
+    validate.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a dotted config key, value parsed as YAML (repeatable)",
     )
     validate.set_defaults(handler=cmd_validate)
 
     plugins = sub.add_parser("plugins", help="list discovered plugins and their hooks")
-    plugins.add_argument("--format", choices=("table", "json"), default="table")
+    plugins.add_argument(
+        "--format", choices=("table", "json"), default="table", help="output format (default table)"
+    )
     plugins.set_defaults(handler=cmd_plugins)
 
     from speedtronic.data.prepare_cli import add_data_commands
 
     add_data_commands(sub)  # `speedtronic data prepare`
     _add_plugin_commands(sub)
-    # `--debug` is also accepted after the command name, plugin commands included.
+    # `--debug` and `--plugin` are also accepted after the command name, plugin commands
+    # included (main() reads --plugin before the parser exists, so plugin modules can add
+    # commands).
     for command in sub.choices.values():
-        try:
-            command.add_argument(
-                "--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
-            )
-        except argparse.ArgumentError:
-            pass  # the plugin defined its own --debug
+        for flag, options in GLOBAL_FLAGS.items():
+            try:
+                command.add_argument(flag, default=argparse.SUPPRESS, **options)
+            except argparse.ArgumentError:
+                pass  # the plugin defined its own flag of that name
     return parser
+
+
+GLOBAL_FLAGS: dict[str, dict[str, Any]] = {
+    "--debug": {"action": "store_true", "help": "show tracebacks and debug logs"},
+    "--plugin": {
+        "action": "append",
+        "metavar": "MODULE",
+        "help": "import MODULE first (repeatable): its @register_model models and hook "
+        "implementations are used as if it were an installed plugin",
+    },
+}
+
+
+def load_plugin_modules(argv: Sequence[str]) -> None:
+    """Import every ``--plugin MODULE`` of ``argv`` and register those that implement hooks.
+
+    Runs before the parser is built, so a module's commands and config sections exist."""
+    import importlib
+
+    from speedtronic import plugins
+
+    names = [
+        value
+        for flag, value in zip(argv, [*argv[1:], ""])
+        if flag == "--plugin" and value and not value.startswith("-")
+    ] + [arg.split("=", 1)[1] for arg in argv if arg.startswith("--plugin=")]
+    for name in names:
+        try:
+            module = importlib.import_module(name)
+        except ImportError as exc:
+            raise PluginError(f"--plugin {name}: cannot import it ({exc})") from None
+        except Exception as exc:
+            raise PluginError(
+                f"--plugin {name}: importing it failed ({type(exc).__name__}: {exc})"
+            ) from None
+        marked = any(hasattr(getattr(module, attr), "speedtronic_impl") for attr in dir(module))
+        if marked and not plugins.pm.is_registered(module):
+            plugins.register(module, name=name, distribution=f"--plugin {name}")
 
 
 @contextmanager
@@ -185,6 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = "--debug" in argv
     with _cli_logging(debug):
         try:
+            load_plugin_modules(argv)
             parser = build_parser()
             args = parser.parse_args(argv)
             if not getattr(args, "handler", None):

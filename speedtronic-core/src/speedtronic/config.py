@@ -8,6 +8,7 @@ section that an uninstalled first-party distribution would provide says what to 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 from collections.abc import Mapping
@@ -131,6 +132,13 @@ class DataConfig(Section):
     )
     pin_memory: bool = option(False, help="Pin host memory for faster CUDA copies.")
     shuffle: bool = option(False, help="Shuffle a map-style dataset (streams ignore it).")
+    labels: Literal["shifted", "inputs"] | None = option(
+        None,
+        help="What `labels` holds in a batch: `shifted` (labels[i] is the token after input i, "
+        "for models that do not shift) or `inputs` (labels = input_ids, for models that shift "
+        "internally, like Hugging Face causal LMs). Unset: `inputs` for a Hugging Face "
+        "`PreTrainedModel`, else `shifted`.",
+    )
 
     def validate(self) -> None:
         target = self.target_batch_size
@@ -405,7 +413,14 @@ class SpeedtronicConfig:
         known = [*CORE_SECTIONS, *TOP_LEVEL_KEYS, *RUN_ALIASES, *extra]
         for key in data:
             if key not in known:
-                raise unknown_key_error(str(key), known, "", _provider_hint(str(key)))
+                hint = _provider_hint(str(key))
+                if not hint and not difflib.get_close_matches(str(key), known, n=1, cutoff=0.6):
+                    sections = ["model", *CORE_SECTIONS, *extra, "gradient_checkpointing"]
+                    hint = f"; the top-level keys are {', '.join(sections)}"
+                    absent = [f"{s} ({d})" for s, d in _provided_sections() if s not in extra]
+                    if absent:
+                        hint += f"; installable: {', '.join(absent)}"
+                raise unknown_key_error(str(key), known, "", hint)
         kwargs: dict[str, Any] = {"run": build_section(RunConfig, run, "run")}
         for name, section_cls in CORE_SECTIONS.items():
             if name != "run":
@@ -517,6 +532,12 @@ class SpeedtronicConfig:
         if self.checkpoint.directory:
             return Path(self.checkpoint.directory)
         return self.output_dir / "checkpoints"
+
+
+def _provided_sections() -> list[tuple[str, str]]:
+    from speedtronic.plugins import PROVIDED_SECTIONS
+
+    return sorted(PROVIDED_SECTIONS.items())
 
 
 def _provider_hint(key: str) -> str:

@@ -317,13 +317,15 @@ class OOOBackprop:
     reads ``.grad`` and :meth:`remove` to undo the swap.
     """
 
-    def __init__(self, device: torch.device | str, stream: str = "side", **private: Any) -> None:
+    def __init__(
+        self, device: torch.device | str, stream: str = "side", *, stream_api: Any = None
+    ) -> None:
         if stream not in ("side", "same"):
             raise ValueError(f"stream must be 'side' or 'same', got {stream!r}")
         self.device = torch.device(device)
-        api = private.pop("stream_api", torch.cuda if self.device.type == "cuda" else None)
-        if private:
-            raise TypeError(f"unexpected arguments {sorted(private)}")
+        # The module providing Stream / current_stream / stream for the side path: torch.cuda
+        # on CUDA; the tests pass torch.cpu (whose streams do nothing) to run it on CPU.
+        api = stream_api or (torch.cuda if self.device.type == "cuda" else None)
         self._side = _SideStreams(api) if stream == "side" and api is not None else None
         self._queue: list[_Job] = []  # same: products waiting to run, in backward order
         self._buffers: dict[int, tuple[Tensor, Tensor]] = {}  # side: id -> (leaf, buffer)
@@ -354,6 +356,10 @@ class OOOBackprop:
         """
         if modules != "linear":
             raise ValueError(f"modules must be 'linear', got {modules!r}")
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            # DDP's reducer waits for autograd to accumulate every weight, which never happens
+            # for a swapped one: it would have to drain() and then reduce.
+            raise SpeedtronicError("ooo_backprop does not support DistributedDataParallel yet")
         count = 0
         for name, module in model.named_modules():
             if not isinstance(module, nn.Linear):

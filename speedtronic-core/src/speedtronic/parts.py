@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from speedtronic.batch import label_mode
 from speedtronic.checkpoint import CheckpointManager
 from speedtronic.compile import CompiledModel
 from speedtronic.config import SpeedtronicConfig
@@ -49,6 +50,7 @@ class TrainingParts:
     metrics: MetricLogger
     plugin_manager: Any
     compiled: CompiledModel
+    label_mode: str = "shifted"
     ooo_backprop: OOOBackprop | None = None
     """The queue of deferred weight gradients when ``ooo_backprop.enabled`` (drain it before
     reading ``.grad``), else None."""
@@ -95,6 +97,7 @@ def build_parts(
         metrics=metric_logger if metric_logger is not None else MetricLogger(),
         plugin_manager=plugin_manager if plugin_manager is not None else get_plugin_manager(),
         compiled=CompiledModel(model, config.compile),
+        label_mode=_label_mode(config, model),
         ooo_backprop=ooo,
     )
 
@@ -111,3 +114,13 @@ def _set_gradient_checkpointing(model: nn.Module, enabled: bool) -> None:
             "training without it",
             type(model).__name__,
         )
+
+
+def _label_mode(config: SpeedtronicConfig, model: nn.Module) -> str:
+    mode = label_mode(config.data.labels, model)
+    if config.data.labels is None and mode == "inputs":
+        log.info(
+            "data.labels: inputs (%s shifts labels itself, so batches carry labels = input_ids)",
+            type(model).__name__,
+        )
+    return mode

@@ -48,6 +48,7 @@ __all__ = [
     "load_plugins",
     "missing_provider_hint",
     "normalize_distribution",
+    "provided_by",
     "pm",
     "register",
     "unregister",
@@ -97,6 +98,8 @@ class PluginInfo:
     version: str
     hooks: tuple[str, ...]
     error: str = ""
+    # What it adds, e.g. ("model reference_transformer", "section distributed", "command x").
+    provides: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -316,13 +319,42 @@ def list_plugins() -> list[PluginInfo]:
             continue
         hooks = tuple(sorted(caller.name for caller in pm.get_hookcallers(plugin) or []))
         dist, version = _plugin_distributions.get(name, ("in-process", ""))
-        rows.append(PluginInfo(name=name, distribution=dist, version=version, hooks=hooks))
+        rows.append(
+            PluginInfo(name, dist, version, hooks=hooks, provides=provided_by(name, plugin, hooks))
+        )
     rows.sort(key=lambda row: row.name)
     failed = [
         PluginInfo(f.name, f.distribution, f.version, hooks=(), error=f.error)
         for f in _failures.values()
     ]
     return rows + failed
+
+
+def provided_by(name: str, plugin: Any, hooks: tuple[str, ...]) -> tuple[str, ...]:
+    """What one plugin adds: its model names, config sections and CLI commands (each asked of
+    that plugin alone; a plugin that fails to answer simply lists less)."""
+    import argparse
+
+    provides = [f"model {model}" for model in getattr(plugin, "MODEL_NAMES", ())]
+    if name == "speedtronic.registry":
+        from speedtronic.registry import registered_models
+
+        provides += [f"model {model}" for model in registered_models()]
+    others = [p for p in pm.get_plugins() if p is not plugin]
+
+    def ignore(plugin_name: str, exc: Exception) -> None:
+        log.debug("plugin %r could not say what it provides: %s", plugin_name, exc)
+
+    if "config_sections" in hooks:
+        caller = pm.subset_hook_caller("config_sections", remove_plugins=others)
+        for _, sections in call_each(caller, {}, ignore):
+            provides += [f"section {section}" for section in sections or {}]
+    if "register_commands" in hooks:
+        scratch = argparse.ArgumentParser().add_subparsers()
+        caller = pm.subset_hook_caller("register_commands", remove_plugins=others)
+        call_each(caller, {"subparsers": scratch}, ignore)
+        provides += [f"command {command}" for command in scratch.choices]
+    return tuple(provides)
 
 
 def _version(dist: str) -> str:

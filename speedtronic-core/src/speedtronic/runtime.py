@@ -30,6 +30,7 @@ __all__ = [
     "Runtime",
     "build_metric_logger",
     "build_runtime",
+    "model_limits",
     "seed_everything",
     "train_from_config",
 ]
@@ -71,6 +72,29 @@ def build_metric_logger(
     return MetricLogger(sinks)
 
 
+def model_limits(model: nn.Module, params: dict[str, Any]) -> dict[str, int | None]:
+    """The model's sequence length and vocabulary, for the data defaults: its own
+    ``max_seq_len``/``vocab_size`` attributes, a Hugging Face ``config.max_position_embeddings``
+    / ``config.vocab_size``, then the ``model`` section's ``max_seq_len``/``vocab_size``."""
+    hf_config = getattr(model, "config", None)
+    found: dict[str, int | None] = {}
+    for key, attribute, hf_attribute in (
+        ("seq_len", "max_seq_len", "max_position_embeddings"),
+        ("vocab_size", "vocab_size", "vocab_size"),
+    ):
+        for value in (
+            getattr(model, attribute, None),
+            getattr(hf_config, hf_attribute, None),
+            params.get(attribute),
+        ):
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                found[key] = value
+                break
+        else:
+            found[key] = None
+    return found
+
+
 def build_runtime(
     config: Any,
     *,
@@ -99,8 +123,7 @@ def build_runtime(
         config,
         dataset,
         tokenizer,
-        seq_len=getattr(model, "max_seq_len", None),
-        vocab_size=getattr(model, "vocab_size", None),
+        **model_limits(model, config.model.params),
         seed=adjusted if adjusted is not None else seed,
     )
     log.info("data: %s", data.description)

@@ -20,7 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from speedtronic.batch import batch_size_and_tokens, call_model, loss_of, move_to
+from speedtronic.batch import (
+    batch_size_and_tokens,
+    call_model,
+    labels_as_inputs,
+    loss_of,
+    move_to,
+)
 from speedtronic.checkpoint import CheckpointManager, rng_state, set_rng_state
 from speedtronic.checkpoint.fileio import probe_writable
 from speedtronic.config import SpeedtronicConfig
@@ -37,6 +43,7 @@ __all__ = [
     "TrainResult",
     "Trainer",
     "check_trainer_state",
+    "state_mismatch",
 ]
 
 log = logging.getLogger("speedtronic.trainer")
@@ -89,6 +96,35 @@ def check_trainer_state(state: Any) -> None:
     missing = [key for key in _RNG_KEYS if key not in state["rng"]]
     if missing:
         raise CheckpointError(f"the trainer state's rng lacks {missing}")
+
+
+def state_mismatch(expected: dict[str, Any], saved: Any, shown: int = 4) -> str:
+    """Why ``saved`` (a state dict) cannot load into a model whose state dict is ``expected``:
+    each tensor whose shape differs, with both shapes, then missing and unexpected names (the
+    first few, then a count); ``""`` when it fits."""
+    if not isinstance(saved, dict):
+        return f"the saved model state is a {type(saved).__name__}"
+    problems: list[str] = []
+    shapes = [
+        f"{name}: checkpoint {list(saved[name].shape)} vs model {list(tensor.shape)}"
+        for name, tensor in expected.items()
+        if name in saved
+        and hasattr(saved[name], "shape")
+        and tuple(saved[name].shape) != tuple(tensor.shape)
+    ]
+    missing = [name for name in expected if name not in saved]
+    unexpected = [name for name in saved if name not in expected]
+    for label, items in (
+        ("shape mismatch", shapes),
+        ("missing in the checkpoint", missing),
+        ("not in this model", unexpected),
+    ):
+        if items:
+            more = f" and {len(items) - shown} more" if len(items) > shown else ""
+            problems.append(f"{label}: {'; '.join(items[:shown])}{more}")
+    if problems:
+        problems.append("was model.* changed?")
+    return "; ".join(problems)
 
 
 class Trainer:
@@ -152,6 +188,7 @@ class Trainer:
         self.checkpoints = parts.checkpoints
         self.scaler = parts.scaler
         self.compiled = parts.compiled
+        self.label_mode = parts.label_mode
         self.ooo_backprop = parts.ooo_backprop
         self.accumulation_steps = self.config.data.accumulation_steps
         self.reset_optimizer_on_weight_replace = True
@@ -213,6 +250,9 @@ class Trainer:
             raise CheckpointError(
                 f"unsupported trainer state format {found!r} (this version reads {STATE_FORMAT})"
             )
+        mismatch = state_mismatch(self.model.state_dict(), state["model"])
+        if mismatch:
+            raise CheckpointError(f"the checkpoint does not fit this model ({mismatch})")
         try:
             self.model.load_state_dict(state["model"])
         except (RuntimeError, KeyError, ValueError) as exc:
@@ -301,18 +341,19 @@ class Trainer:
                 "checkpoint.directory / run.output_dir elsewhere"
             ) from None
 
-    def _warn_if_checkpoints_exist(self) -> None:
+    def _refuse_to_overwrite_checkpoints(self) -> None:
+        """A fresh run never overwrites another run's checkpoints: it would replace their
+        ``latest.json`` and same-numbered steps."""
         config = self.config.checkpoint
         if not (config.interval or config.save_final):
             return
         existing = self.checkpoints.candidates()
         if existing:
-            log.warning(
-                "%s already holds checkpoints up to %s from an earlier run; this run starts "
-                "fresh and writes its own next to them (pass --resume / checkpoint.resume: true "
-                "to continue instead)",
-                self.checkpoints.directory,
-                existing[0].name,
+            raise CheckpointError(
+                f"{self.checkpoints.directory} already holds checkpoints (up to "
+                f"{existing[0].name}) from an earlier run; pass --resume "
+                "(checkpoint.resume: true) to continue it, or choose another --output-dir "
+                "(run.output_dir) for a new run, or delete that directory to start over"
             )
 
     # ------------------------------------------------------------------ loop
@@ -328,12 +369,15 @@ class Trainer:
 
     def _next_micro_batches(self, batches: Iterator[Any]) -> list[Any]:
         try:
-            return [move_to(next(batches), self.device) for _ in range(self.accumulation_steps)]
+            micro = [move_to(next(batches), self.device) for _ in range(self.accumulation_steps)]
         except StopIteration:
             raise DataError(
                 f"the training data ran out at step {self.step} of {self.config.run.max_steps}; "
                 "pass a re-iterable source (list, DataLoader, DataSource) or lower run.max_steps"
             ) from None
+        if self.label_mode == "inputs":
+            return [labels_as_inputs(batch) for batch in micro]
+        return micro
 
     def _forward_backward(self, batches: list[Any], model: Any) -> torch.Tensor:
         """Forward and backward over one optimizer step's micro-batches; returns their mean
@@ -409,7 +453,11 @@ class Trainer:
                 self.metrics.close()
                 raise
         else:
-            self._warn_if_checkpoints_exist()
+            try:
+                self._refuse_to_overwrite_checkpoints()
+            except BaseException:
+                self.metrics.close()
+                raise
         max_steps = self.config.run.max_steps
         if self.step >= max_steps:
             message = f"run already finished: step {self.step} >= run.max_steps {max_steps}"

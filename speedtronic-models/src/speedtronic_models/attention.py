@@ -6,6 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from speedtronic_models.config import TransformerConfig
+from speedtronic_models.kv_cache import LayerCache
 from speedtronic_models.rotary import apply_rotary
 from speedtronic_models.torch_compat import grouped_sdpa
 
@@ -28,9 +29,21 @@ class GroupedQueryAttention(nn.Module):
         self.qkv = nn.Linear(config.d_model, qkv_heads * config.head_dim, bias=False)
         self.out = nn.Linear(config.n_head * config.head_dim, config.d_model, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | None = None,
+        cache: LayerCache | None = None,
+    ) -> Tensor:
         """Attend over ``x`` ``[B, T, d_model]``; ``mask`` (``True`` = may attend) replaces the
-        plain causal pattern when the batch carries padding."""
+        plain causal pattern when the batch carries padding.
+
+        With ``cache`` (incremental decoding) ``x`` holds the positions after the cached ones:
+        their keys and values are stored, and their queries attend to every cached position
+        too. ``cos``/``sin`` must then be the tables of those later positions.
+        """
         batch, seq_len, _ = x.shape
         qkv = self.qkv(x).view(batch, seq_len, -1, self.head_dim)
         q, k, v = qkv.split((self.n_head, self.n_kv_head, self.n_kv_head), dim=2)
@@ -38,16 +51,32 @@ class GroupedQueryAttention(nn.Module):
         q = apply_rotary(q, cos, sin).transpose(1, 2)
         k = apply_rotary(k, cos, sin).transpose(1, 2)
         v = v.transpose(1, 2)
+        # Without a mask SDPA builds causality into the kernel: no [T, T] tensor at all.
+        is_causal = mask is None
+        if cache is not None:
+            past = cache.cache.length
+            k, v = cache.update(k, v)
+            if past:
+                # Every cached position is visible; among the new ones causality still holds
+                # (SDPA's is_causal would align the triangle top-left, which is wrong here).
+                is_causal = False
+                mask = None if seq_len == 1 else _offset_causal_mask(seq_len, past, x.device)
         y = grouped_sdpa(
             q,
             k,
             v,
             attn_mask=mask,
             dropout_p=self.dropout if self.training else 0.0,
-            # Without a mask SDPA builds causality into the kernel: no [T, T] tensor at all.
-            is_causal=mask is None,
+            is_causal=is_causal,
         )
         return self.out(y.transpose(1, 2).reshape(batch, seq_len, -1))
+
+
+def _offset_causal_mask(seq_len: int, past: int, device: torch.device) -> Tensor:
+    """``[T, past + T]`` boolean mask: new query ``i`` sees keys ``0 .. past + i``."""
+    keys = torch.arange(past + seq_len, device=device)
+    queries = torch.arange(past, past + seq_len, device=device)
+    return keys[None, :] <= queries[:, None]
 
 
 def padding_causal_mask(attention_mask: Tensor) -> Tensor:

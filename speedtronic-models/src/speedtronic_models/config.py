@@ -21,6 +21,8 @@ SECTION = "model"
 MODEL_NAME = "reference_transformer"
 # Parameters whose default derives from others: ``None`` (or leaving them out) means "derive".
 DERIVED = ("n_kv_head", "ffn_hidden")
+# Parameters about loading weights rather than the shape: accepted here, used by the model.
+LOADING = ("init_from",)
 # SwiGLU keeps a 4x GELU MLP's parameter count at 8/3 the width; round up so matmuls tile well.
 _FFN_MULTIPLE = 64
 
@@ -67,15 +69,17 @@ class TransformerConfig(Section):
 
         ``n_kv_head`` defaults to ``n_head`` and ``ffn_hidden`` to :func:`default_ffn_hidden`;
         ``None`` also means "use the default". Errors are located at ``model.<param>``.
+        ``init_from`` (weights to load, not a shape) is accepted and left to the model.
         """
         if not isinstance(params, Mapping):
             raise ConfigError(f"expected a mapping, got {type(params).__name__}", SECTION)
-        known = [field.name for field in dataclasses.fields(cls)]
+        known = [field.name for field in dataclasses.fields(cls)] + list(LOADING)
         for key in params:
             if key not in known:
                 hint = f" ({MODEL_NAME} takes: {', '.join(known)})"
                 raise unknown_key_error(str(key), known, SECTION, hint)
-        return build_section(cls, {**dict.fromkeys(DERIVED), **params}, SECTION)
+        shape = {key: value for key, value in params.items() if key not in LOADING}
+        return build_section(cls, {**dict.fromkeys(DERIVED), **shape}, SECTION)
 
     def validate(self) -> None:
         """Fill the derived defaults, then check the rules that tie parameters together

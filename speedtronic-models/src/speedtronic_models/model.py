@@ -20,6 +20,7 @@ from speedtronic import DataError
 from speedtronic_models.attention import GroupedQueryAttention, padding_causal_mask
 from speedtronic_models.config import TransformerConfig
 from speedtronic_models.feedforward import SwiGLU
+from speedtronic_models.kv_cache import KVCache, LayerCache
 from speedtronic_models.rotary import RotaryEmbedding
 from speedtronic_models.torch_compat import RMSNorm
 
@@ -43,9 +44,16 @@ class TransformerBlock(nn.Module):
         self.mlp = SwiGLU(config.d_model, config.ffn_hidden)
         self.resid_dropout = _dropout(config.dropout)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | None = None,
+        cache: LayerCache | None = None,
+    ) -> Tensor:
         """Transform the residual stream ``x`` ``[B, T, d_model]``."""
-        x = x + self.resid_dropout(self.attn(self.attn_norm(x), cos, sin, mask))
+        x = x + self.resid_dropout(self.attn(self.attn_norm(x), cos, sin, mask, cache))
         return x + self.resid_dropout(self.mlp(self.mlp_norm(x)))
 
 
@@ -105,9 +113,19 @@ class ReferenceTransformer(nn.Module):
         """Build from a config file's ``model`` section (without ``name``).
 
         Unknown or missing parameters raise :class:`speedtronic.ConfigError` at ``model.<key>``
-        rather than a ``TypeError`` about keyword arguments.
+        rather than a ``TypeError`` about keyword arguments. ``init_from: DIR`` then loads the
+        weights of a local Llama-format folder (see :func:`speedtronic_models.export.load_llama`).
         """
-        return cls(**dataclasses.asdict(TransformerConfig.from_params(params)))
+        if not isinstance(params, Mapping):
+            return cls(**dataclasses.asdict(TransformerConfig.from_params(params)))
+        params = dict(params)
+        init_from = params.pop("init_from", None)
+        model = cls(**dataclasses.asdict(TransformerConfig.from_params(params)))
+        if init_from is not None:
+            from speedtronic_models.export import load_llama
+
+            load_llama(model, init_from)
+        return model
 
     @property
     def output_weight(self) -> Tensor:
@@ -138,12 +156,19 @@ class ReferenceTransformer(nn.Module):
         """
         self.gradient_checkpointing = bool(enabled)
 
+    def new_kv_cache(self) -> KVCache:
+        """An empty cache for :meth:`forward` ``(use_cache=True)``, holding ``max_seq_len``
+        positions (allocated by each layer on first use)."""
+        return KVCache(self.config.n_layer, self.max_seq_len)
+
     def forward(
         self,
         input_ids: Tensor,
         labels: Tensor | None = None,
         attention_mask: Tensor | None = None,
-    ) -> dict[str, Tensor]:
+        past_key_values: KVCache | None = None,
+        use_cache: bool = False,
+    ) -> dict[str, Any]:
         """Run the model on token ids ``[B, T]`` (``T <= max_seq_len``).
 
         ``labels`` ``[B, T]`` are the already-shifted next tokens (position ``t`` holds the
@@ -151,7 +176,15 @@ class ReferenceTransformer(nn.Module):
         ``attention_mask`` ``[B, T]`` (1/True = real token, 0/False = padding) hides padded
         keys. Returns ``{"logits": [B, T, vocab_size]}`` plus ``"loss"`` (mean cross-entropy)
         when labels are given.
+
+        Incremental decoding (generation): with ``use_cache=True`` the positions of
+        ``input_ids`` follow those already in ``past_key_values`` (a new
+        :meth:`new_kv_cache` when ``None``), their keys and values are added to it, and the
+        output carries it as ``"past_key_values"`` for the next call (the convention Hugging
+        Face models use, so one generation loop drives both). Training never takes this path.
         """
+        if use_cache or past_key_values is not None:
+            return self._decode(input_ids, past_key_values, attention_mask, labels)
         if input_ids.dim() != 2:
             raise DataError(
                 f"input_ids must be [batch, seq_len], got shape {list(input_ids.shape)}"
@@ -180,7 +213,7 @@ class ReferenceTransformer(nn.Module):
                 x = block(x, cos, sin, mask)
         logits = F.linear(self.norm(x), self.tok_emb.weight)
 
-        outputs = {"logits": logits}
+        outputs: dict[str, Any] = {"logits": logits}
         if labels is not None:
             if labels.shape != input_ids.shape:
                 raise DataError(
@@ -194,3 +227,28 @@ class ReferenceTransformer(nn.Module):
                 ignore_index=IGNORE_INDEX,
             )
         return outputs
+
+    def _decode(
+        self,
+        input_ids: Tensor,
+        cache: KVCache | None,
+        attention_mask: Tensor | None,
+        labels: Tensor | None,
+    ) -> dict[str, Any]:
+        """The incremental-decoding forward of :meth:`forward` ``(use_cache=True)``."""
+        if input_ids.dim() != 2:
+            raise DataError(
+                f"input_ids must be [batch, seq_len], got shape {list(input_ids.shape)}"
+            )
+        if attention_mask is not None or labels is not None:
+            raise DataError("use_cache=True takes neither attention_mask nor labels")
+        cache = self.new_kv_cache() if cache is None else cache
+        seq_len = input_ids.shape[1]
+        start = cache.reserve(seq_len)
+        x = self.emb_dropout(self.tok_emb(input_ids))
+        cos, sin = self.rotary(seq_len, start)
+        for block, layer in zip(self.blocks, cache.layers):
+            x = block(x, cos, sin, None, layer)
+        cache.advance(seq_len)
+        logits = F.linear(self.norm(x), self.tok_emb.weight)
+        return {"logits": logits, "past_key_values": cache}

@@ -29,9 +29,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
-    def forward(self, seq_len: int) -> tuple[Tensor, Tensor]:
-        """The ``(cos, sin)`` tables for the first ``seq_len`` positions."""
-        return self.cos[:seq_len], self.sin[:seq_len]
+    def forward(self, seq_len: int, start: int = 0) -> tuple[Tensor, Tensor]:
+        """The ``(cos, sin)`` tables for ``seq_len`` positions from ``start`` (incremental
+        decoding starts after the cached positions)."""
+        return self.cos[start : start + seq_len], self.sin[start : start + seq_len]
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -12,7 +12,7 @@ Rooms: :mod:`~speedtronic.data.streams` (batch contract, indexed streams, rank s
 :mod:`~speedtronic.data.synthetic`, :mod:`~speedtronic.data.text`,
 :mod:`~speedtronic.data.shards` (reading token shards), :mod:`~speedtronic.data.user` (your
 datasets), :mod:`~speedtronic.data.source` (:class:`DataSource`), :mod:`~speedtronic.data.loader`
-(``build_dataloader``), and the writer side: :mod:`~speedtronic.data.prepare`,
+(``build_dataloader``), and the writer side: :mod:`~speedtronic.data.preparation`,
 :mod:`~speedtronic.data.documents`, :mod:`~speedtronic.data.encoders`,
 :mod:`~speedtronic.data.format`.
 
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from speedtronic.data.format import FORMAT_VERSION
     from speedtronic.data.loader import build_dataloader, build_eval_source
-    from speedtronic.data.prepare import PrepareResult, prepare
+    from speedtronic.data.preparation import PrepareResult, prepare
     from speedtronic.data.shards import (
         Shard,
         ShardIndex,
@@ -87,7 +87,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "ByteTextStream": ("text", "ByteTextStream"),
     "DataSource": ("source", "DataSource"),
     "IndexedTokenStream": ("streams", "IndexedTokenStream"),
-    "PrepareResult": ("prepare", "PrepareResult"),
+    "PrepareResult": ("preparation", "PrepareResult"),
     "Shard": ("shards", "Shard"),
     "ShardIndex": ("shards", "ShardIndex"),
     "ShardTokenStream": ("shards", "ShardTokenStream"),
@@ -100,7 +100,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "check_shards": ("shards", "check_shards"),
     "check_text_file": ("text", "check_text_file"),
     "permute_windows": ("shards", "permute_windows"),
-    "prepare": ("prepare", "prepare"),
+    "prepare": ("preparation", "prepare"),
     "read_index": ("shards", "read_index"),
     "repeat_epochs": ("source", "repeat_epochs"),
     "shard_source": ("shards", "shard_source"),

@@ -411,6 +411,16 @@ class _Reader:
                 f"field {field_name!r} is {type(text).__name__}, not a string",
             )
             return None
+        if not text.isascii():
+            try:  # JSON may escape lone surrogates ("\ud800"), which no UTF-8 text holds
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                self.bad(
+                    f":{self.line(local)}",
+                    f"field {field_name!r} is not valid Unicode (an unpaired surrogate at "
+                    f"character {exc.start})",
+                )
+                return None
         return text
 
     def _block_text(self, block: list[bytes], size: int, first_line: int) -> str | None:

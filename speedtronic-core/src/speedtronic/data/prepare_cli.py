@@ -24,7 +24,7 @@ def _fraction(text: str) -> float:
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     """``speedtronic data prepare``: tokenize a corpus into shards; print a one-line summary."""
-    from speedtronic.data.prepare import DEFAULT_SHARD_TOKENS, prepare
+    from speedtronic.data.preparation import DEFAULT_SHARD_TOKENS, prepare
 
     result = prepare(
         args.inputs,

@@ -32,6 +32,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -214,7 +215,14 @@ def _results(
             if len(pending) >= 2 * workers:
                 break
         while pending:
-            result = pending.popleft().result()
+            try:
+                result = pending.popleft().result()
+            except BrokenProcessPool:
+                raise DataError(
+                    "a prepare worker process died (out of memory, killed, or it could not "
+                    "start: a script that calls prepare() with workers > 1 must guard its "
+                    "entry point with `if __name__ == '__main__':`); try fewer --workers"
+                ) from None
             for task in queue:
                 pending.append(pool.submit(_worker_task, task, options))
                 break

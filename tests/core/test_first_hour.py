@@ -1,0 +1,179 @@
+"""What a new user meets in the first hour: errors that name the thing, a CLI that says what it
+takes, plugins that say what they provide, and a model of your own without packaging."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from speedtronic import SpeedtronicConfig, cli, hookimpl, plugins
+from speedtronic.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_an_unknown_top_level_key_lists_the_sections() -> None:
+    with pytest.raises(ConfigError) as caught:
+        SpeedtronicConfig.from_dict({"nosuch": 1})
+    message = str(caught.value)
+    assert message.startswith("nosuch: unknown key; the top-level keys are model, run, data,")
+    assert "distributed" in message and "optimizer" in message
+
+
+def test_an_unknown_top_level_key_says_which_distribution_provides_a_missing_section(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(plugins.PROVIDED_SECTIONS, "quantum", "speedtronic-quantum")
+    with pytest.raises(ConfigError, match=r"installable: quantum \(speedtronic-quantum\)"):
+        SpeedtronicConfig.from_dict({"nosuch": 1})
+
+
+def test_every_flag_of_every_command_has_help_text() -> None:
+    parser = cli.build_parser()
+    commands = parser._subparsers._group_actions[0].choices  # argparse keeps them here
+    for name, command in commands.items():
+        for action in command._actions:
+            if action.dest == "help" or not action.option_strings:
+                continue  # positionals and nested sub-command groups describe themselves
+            assert action.help, f"speedtronic {name} {action.option_strings} has no help text"
+    train_help = commands["train"].format_help()
+    assert "--debug" in train_help and "--plugin MODULE" in train_help
+
+
+def test_plugins_say_what_they_provide(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["plugins", "--format", "json"]) == 0
+    rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
+    assert "model reference_transformer" in rows["reference_transformer"]["provides"]
+    assert "section distributed" in rows["diloco"]["provides"]
+    assert {"section wandb", "section tensorboard"} <= set(rows["logging"]["provides"])
+
+
+def test_a_plugin_command_is_listed_as_provided() -> None:
+    class Commands:
+        @hookimpl
+        def register_commands(self, subparsers: Any) -> None:
+            subparsers.add_parser("hello-world", help="says hello")
+
+    name = plugins.register(Commands(), name="core-test-commands")
+    try:
+        row = next(r for r in plugins.list_plugins() if r.name == name)
+    finally:
+        plugins.unregister(name)
+    assert row.provides == ("command hello-world",)
+
+
+def test_a_register_model_module_is_usable_from_the_cli_with_plugin(tmp_path: Path) -> None:
+    (tmp_path / "my_models.py").write_text(
+        textwrap.dedent(
+            """
+            from torch import nn
+            from torch.nn import functional as F
+            from speedtronic import register_model
+
+            @register_model("first_hour_mlp")
+            class TinyMLP(nn.Module):
+                # No max_seq_len/vocab_size attributes: the model section supplies them.
+                def __init__(self, vocab_size=64, max_seq_len=16, width=16):
+                    super().__init__()
+                    self.emb = nn.Embedding(vocab_size, width)
+                    self.head = nn.Linear(width, vocab_size)
+
+                def forward(self, input_ids, labels):
+                    logits = self.head(self.emb(input_ids))
+                    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+            """
+        )
+    )
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "run: {device: cpu, max_steps: 1, output_dir: out}\n"
+        "model: {name: first_hour_mlp, vocab_size: 64, max_seq_len: 16}\n"
+        "checkpoint: {save_final: false}\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "speedtronic", "train", "-c", str(config)]
+        + ["--plugin", "my_models"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)},
+    )
+    assert done.returncode == 0, done.stderr
+    assert "done: 1 step, final loss" in done.stdout  # singular, and the loss is known
+    missing = subprocess.run(
+        [sys.executable, "-m", "speedtronic", "validate", "-c", str(config), "--plugin", "nope_x"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert missing.returncode == 2
+    assert missing.stderr.strip().startswith("error: --plugin nope_x: cannot import it")
+
+
+def test_an_unknown_model_says_how_to_register_one() -> None:
+    from speedtronic.registry import build_model_from_hook
+
+    with pytest.raises(ConfigError) as caught:
+        build_model_from_hook("refrence_transformer")
+    message = str(caught.value)
+    assert "(did you mean 'reference_transformer'?)" in message and "?;" not in message
+    assert "Known models: reference_transformer" in message
+    assert "--plugin MODULE" in message and "package.module:function" in message
+
+
+def test_a_model_named_by_import_path_needs_no_plugin(tmp_path: Path) -> None:
+    from speedtronic.runtime import train_from_config
+
+    config = {
+        "run": {"device": "cpu", "max_steps": 2, "output_dir": str(tmp_path)},
+        "model": {"name": "core.toy_runs:Bigram", "vocab_size": 16, "max_seq_len": 8},
+        "checkpoint": {"save_final": False},
+    }
+    assert train_from_config(config, console=False).steps == 2
+    config["model"]["name"] = "core.toy_runs:NoSuchThing"
+    with pytest.raises(ConfigError, match=r"^model\.name: 'core\.toy_runs' has no attribute"):
+        train_from_config(config, console=False)
+
+
+def test_the_missing_plugin_hint_works_from_a_source_checkout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.chdir(ROOT)
+    hint = plugins.install_command("speedtronic-diloco")
+    assert hint.startswith("pip install ./speedtronic-diloco ")  # pip can find this one
+    assert "pip install speedtronic-diloco once published" in hint
+    assert plugins.install_command("speedtronic-quantum") == "pip install speedtronic-quantum"
+
+
+def test_a_failed_run_still_reports_its_last_loss(tmp_path: Path) -> None:
+    from core.toy_runs import tiny_transformer_run
+
+    from speedtronic.errors import SpeedtronicError
+    from speedtronic.runtime import build_runtime
+
+    class FailsAtThree:
+        @hookimpl
+        def after_optimizer_step(self, step: int) -> None:
+            if step == 3:
+                raise SpeedtronicError("stop at 3")
+
+    summaries: list[dict[str, Any]] = []
+    name = plugins.register(FailsAtThree(), name="core-test-fails-at-three")
+    try:
+        with pytest.raises(SpeedtronicError):
+            build_runtime(
+                tiny_transformer_run(tmp_path),
+                hooks=[lambda e, p: summaries.append(p) if e == "train_end" else None],
+                console=False,
+            ).trainer.fit()
+    finally:
+        plugins.unregister(name)
+    assert summaries[0]["status"].startswith("error") and summaries[0]["final_loss"] is not None
