@@ -4,6 +4,7 @@ takes, plugins that say what they provide, and a model of your own without packa
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -97,13 +98,12 @@ def test_a_register_model_module_is_usable_from_the_cli_with_plugin(tmp_path: Pa
         "checkpoint: {save_final: false}\n"
     )
     done = subprocess.run(
-        [sys.executable, "-m", "speedtronic", "train", "-c", str(config)]
-        + ["--plugin", "my_models"],
+        [sys.executable, "-m", "speedtronic", "train", "-c", str(config), "--plugin", "my_models"],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=tmp_path,
-        env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)},
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
     )
     assert done.returncode == 0, done.stderr
     assert "done: 1 step, final loss" in done.stdout  # singular, and the loss is known
