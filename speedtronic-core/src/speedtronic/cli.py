@@ -157,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
     from speedtronic.data.prepare_cli import add_data_commands
 
     add_data_commands(sub)  # `speedtronic data prepare`
+    from speedtronic.eval_cli import add_eval_command
+
+    add_eval_command(sub)  # `speedtronic eval`
+    from speedtronic.export_cli import add_model_commands
+
+    add_model_commands(sub)  # `speedtronic export`, `speedtronic generate`
     _add_plugin_commands(sub)
     # `--debug` and `--plugin` are also accepted after the command name, plugin commands
     # included (main() reads --plugin before the parser exists, so plugin modules can add

@@ -34,6 +34,7 @@ __all__ = [
     "CheckpointConfig",
     "CompileConfig",
     "DataConfig",
+    "EvalConfig",
     "LoggingConfig",
     "ModelConfig",
     "MuonConfig",
@@ -286,6 +287,56 @@ class CheckpointConfig(Section):
         help="Seconds to wait before retrying a save that failed (disk full, I/O error) once; "
         "a second failure stops the run cleanly with the previous checkpoints intact.",
     )
+    keep_best: bool = option(
+        False,
+        help="Keep the checkpoint with the lowest eval loss (`best.json` names it) besides "
+        "the last `keep_last`; retention never deletes it. Needs the `eval` section.",
+    )
+
+
+@dataclass
+class EvalConfig(Section):
+    """The ``eval`` section: held-out evaluation during training and at its end."""
+
+    every: int = option(0, ge=0, help="Evaluate every N optimizer steps; 0 = never during.")
+    batches: int = option(8, ge=1, le=100_000, help="Micro-batches per evaluation.")
+    at_end: bool | None = option(
+        None, help="Evaluate once after the last step; default: true when eval is configured."
+    )
+    micro_batch_size: int | None = option(
+        None, ge=1, help="Samples per eval micro-batch; defaults to `data.micro_batch_size`."
+    )
+    text_path: str | None = option(
+        None, help="A separate UTF-8 text file to evaluate on (bytes, like `data.text_path`)."
+    )
+    shards: str | None = option(
+        None,
+        help="A token-shard directory whose `eval/` split is evaluated; defaults to the "
+        "`eval/` split of `data.shards`.",
+    )
+    holdout_fraction: float = option(
+        0.0,
+        ge=0,
+        lt=0.5,
+        help="With `data.text_path` and no separate eval source: the last fraction of the "
+        "file's blocks is held out (training never reads it) and evaluated.",
+    )
+
+    def validate(self) -> None:
+        if self.text_path and self.shards:
+            raise ConfigError("set eval.text_path or eval.shards, not both", "shards")
+
+    @property
+    def configured(self) -> bool:
+        """True when the section asks for any evaluation."""
+        return bool(
+            self.every or self.text_path or self.shards or self.holdout_fraction or self.at_end
+        )
+
+    @property
+    def runs_at_end(self) -> bool:
+        """``at_end``, defaulting to whether eval is configured."""
+        return self.configured if self.at_end is None else self.at_end
 
 
 @dataclass
@@ -315,6 +366,7 @@ CORE_SECTIONS: dict[str, type] = {
     "compile": CompileConfig,
     "ooo_backprop": OOOBackpropConfig,
     "checkpoint": CheckpointConfig,
+    "eval": EvalConfig,
     "logging": LoggingConfig,
 }
 TOP_LEVEL_KEYS = ("model", "gradient_checkpointing")
@@ -363,6 +415,7 @@ class SpeedtronicConfig:
     ooo_backprop: OOOBackpropConfig = dataclasses.field(default_factory=OOOBackpropConfig)
     gradient_checkpointing: bool = False
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     plugins: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Sections contributed by plugins, by name; also reachable as attributes."""
@@ -388,6 +441,16 @@ class SpeedtronicConfig:
                 "backprop's backward hands work to a queue that is drained outside autograd, "
                 "which a compiled graph would not honour; turn one of them off",
                 "ooo_backprop.enabled",
+            )
+        if self.checkpoint.keep_best and not self.eval.configured:
+            raise ConfigError(
+                "needs an eval loss to compare: set eval.every (and an eval source if the "
+                "training data has none held out)",
+                "checkpoint.keep_best",
+            )
+        if self.eval.holdout_fraction and not self.data.text_path:
+            raise ConfigError(
+                "holds out part of data.text_path, which is not set", "eval.holdout_fraction"
             )
 
     # ----------------------------------------------------------------- loading

@@ -24,12 +24,13 @@ from speedtronic.checkpoint import CheckpointManager
 from speedtronic.compile import CompiledModel
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.data import DataSource
+from speedtronic.eval import Evaluator, build_eval_source
 from speedtronic.metrics import MetricLogger
 from speedtronic.ooo_backprop import OOOBackprop, install_ooo_backprop
 from speedtronic.optim import build_optimizer, build_scheduler
 from speedtronic.precision import Precision, resolve_device, resolve_precision
 
-__all__ = ["TrainingParts", "build_parts"]
+__all__ = ["TrainingParts", "build_parts", "model_limits"]
 
 log = logging.getLogger("speedtronic.trainer")
 
@@ -54,6 +55,8 @@ class TrainingParts:
     ooo_backprop: OOOBackprop | None = None
     """The queue of deferred weight gradients when ``ooo_backprop.enabled`` (drain it before
     reading ``.grad``), else None."""
+    evaluator: Evaluator | None = None
+    """Held-out evaluation when the ``eval`` section asks for it, else None."""
 
 
 def build_parts(
@@ -67,8 +70,13 @@ def build_parts(
     plugin_manager: Any = None,
     device: torch.device | None = None,
     checkpoints: CheckpointManager | None = None,
+    evaluator: Evaluator | None = None,
+    eval_dataset: Any = None,
 ) -> TrainingParts:
-    """The parts of a run over ``model`` and ``data``; any part given is used as it is."""
+    """The parts of a run over ``model`` and ``data``; any part given is used as it is.
+
+    ``eval_dataset`` is a held-out dataset for the ``eval`` section (else the config says
+    where the held-out samples come from, see :func:`speedtronic.eval.build_eval_source`)."""
     from speedtronic.plugins import get_plugin_manager
 
     config.validate()  # a config changed in place since it was loaded
@@ -83,6 +91,18 @@ def build_parts(
     ooo = install_ooo_backprop(model, config.ooo_backprop, device)
     if ooo is not None:
         ooo.guard_optimizer(optimizer)
+    labels = _label_mode(config, model)
+    if evaluator is None and config.eval.configured:
+        evaluator = Evaluator(
+            build_eval_source(
+                config, **model_limits(model, config.model.params), dataset=eval_dataset
+            ),
+            config.eval.batches,
+            device=device,
+            precision=precision,
+            label_mode=labels,
+        )
+        log.info("eval: %d micro-batches of %s", config.eval.batches, evaluator.description)
     return TrainingParts(
         config=config,
         model=model,
@@ -97,9 +117,33 @@ def build_parts(
         metrics=metric_logger if metric_logger is not None else MetricLogger(),
         plugin_manager=plugin_manager if plugin_manager is not None else get_plugin_manager(),
         compiled=CompiledModel(model, config.compile),
-        label_mode=_label_mode(config, model),
+        label_mode=labels,
         ooo_backprop=ooo,
+        evaluator=evaluator,
     )
+
+
+def model_limits(model: nn.Module, params: dict[str, Any]) -> dict[str, int | None]:
+    """The model's sequence length and vocabulary, for the data defaults: its own
+    ``max_seq_len``/``vocab_size`` attributes, a Hugging Face ``config.max_position_embeddings``
+    / ``config.vocab_size``, then the ``model`` section's ``max_seq_len``/``vocab_size``."""
+    hf_config = getattr(model, "config", None)
+    found: dict[str, int | None] = {}
+    for key, attribute, hf_attribute in (
+        ("seq_len", "max_seq_len", "max_position_embeddings"),
+        ("vocab_size", "vocab_size", "vocab_size"),
+    ):
+        for value in (
+            getattr(model, attribute, None),
+            getattr(hf_config, hf_attribute, None),
+            params.get(attribute),
+        ):
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                found[key] = value
+                break
+        else:
+            found[key] = None
+    return found
 
 
 def _set_gradient_checkpointing(model: nn.Module, enabled: bool) -> None:

@@ -20,7 +20,7 @@ from torch import nn
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.data import DataSource, Tokenizer, build_dataloader
 from speedtronic.metrics import ConsoleSink, JsonlSink, MetricLogger, TextFileSink, import_hook
-from speedtronic.parts import build_parts
+from speedtronic.parts import build_parts, model_limits
 from speedtronic.plugins import get_plugin_manager
 from speedtronic.registry import build_model_from_hook
 from speedtronic.shape_advice import warn_shape_advice
@@ -30,7 +30,6 @@ __all__ = [
     "Runtime",
     "build_metric_logger",
     "build_runtime",
-    "model_limits",
     "seed_everything",
     "train_from_config",
 ]
@@ -72,29 +71,6 @@ def build_metric_logger(
     return MetricLogger(sinks)
 
 
-def model_limits(model: nn.Module, params: dict[str, Any]) -> dict[str, int | None]:
-    """The model's sequence length and vocabulary, for the data defaults: its own
-    ``max_seq_len``/``vocab_size`` attributes, a Hugging Face ``config.max_position_embeddings``
-    / ``config.vocab_size``, then the ``model`` section's ``max_seq_len``/``vocab_size``."""
-    hf_config = getattr(model, "config", None)
-    found: dict[str, int | None] = {}
-    for key, attribute, hf_attribute in (
-        ("seq_len", "max_seq_len", "max_position_embeddings"),
-        ("vocab_size", "vocab_size", "vocab_size"),
-    ):
-        for value in (
-            getattr(model, attribute, None),
-            getattr(hf_config, hf_attribute, None),
-            params.get(attribute),
-        ):
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                found[key] = value
-                break
-        else:
-            found[key] = None
-    return found
-
-
 def build_runtime(
     config: Any,
     *,
@@ -103,10 +79,12 @@ def build_runtime(
     tokenizer: Tokenizer | None = None,
     hooks: Iterable[Any] = (),
     console: bool = True,
+    eval_dataset: Any = None,
 ) -> Runtime:
     """Validate ``config`` and build model, data, optimizer, metrics and trainer.
 
-    ``model`` and ``dataset`` replace the configured ones; ``hooks`` are extra metric sinks.
+    ``model`` and ``dataset`` replace the configured ones; ``eval_dataset`` is a held-out
+    dataset for the ``eval`` section; ``hooks`` are extra metric sinks.
     """
     config = SpeedtronicConfig.load(config)
     logging.getLogger("speedtronic").setLevel(config.logging.level)
@@ -129,7 +107,9 @@ def build_runtime(
     log.info("data: %s", data.description)
     metrics = build_metric_logger(config, hooks, console)
     try:
-        parts = build_parts(config, model, data, metric_logger=metrics, plugin_manager=pm)
+        parts = build_parts(
+            config, model, data, metric_logger=metrics, plugin_manager=pm, eval_dataset=eval_dataset
+        )
         trainer = Trainer.from_parts(parts)
     except BaseException:
         metrics.close()

@@ -190,6 +190,11 @@ class Trainer:
         self.compiled = parts.compiled
         self.label_mode = parts.label_mode
         self.ooo_backprop = parts.ooo_backprop
+        self.evaluator = parts.evaluator
+        # The lowest eval loss so far and its step (checkpoint.keep_best); checkpointed.
+        self.best_eval: tuple[float, int] | None = None
+        self._last_eval_step: int | None = None
+        self._last_saved_step: int | None = None
         self.accumulation_steps = self.config.data.accumulation_steps
         self.reset_optimizer_on_weight_replace = True
         self.plugin_state: dict[str, Any] = {}
@@ -237,6 +242,9 @@ class Trainer:
                 "source": getattr(self.data, "description", type(self.data).__name__),
             },
             "config": self.config.to_dict(redact=True),
+            "eval": {"best_loss": self.best_eval[0], "best_step": self.best_eval[1]}
+            if self.best_eval is not None
+            else {},
             "plugins": plugins,
         }
 
@@ -274,6 +282,9 @@ class Trainer:
         self.samples_seen = int(state["samples_seen"])
         self.tokens_seen = int(state["tokens_seen"])
         self.weights_replaced = int(state.get("weights_replaced", 0))
+        best = state.get("eval") or {}
+        if isinstance(best.get("best_loss"), float) and isinstance(best.get("best_step"), int):
+            self.best_eval = (best["best_loss"], best["best_step"])
         set_rng_state(state["rng"])
         # Applied again once the data iterator exists, see _restore_resumed_rng.
         self._resumed_rng = state["rng"]
@@ -295,6 +306,7 @@ class Trainer:
             time.sleep(pause)
             path = self.checkpoints.save(self.step, state)
         log.debug("checkpoint at step %d: %s", self.step, path)
+        self._last_saved_step = self.step
         self.emit("checkpoint", {"step": self.step, "path": str(path)})
         return path
 
@@ -497,8 +509,10 @@ class Trainer:
                 },
             )
             final_loss = self._loop(max_steps)
-            if self.config.checkpoint.save_final and not self._saved_at(self.step):
+            if self.config.checkpoint.save_final and self._last_saved_step != self.step:
                 self.save_checkpoint()
+            if self.config.eval.runs_at_end and self._last_eval_step != self.step:
+                self.evaluate()
         except BaseException as exc:
             error = exc
             raise
@@ -599,7 +613,30 @@ class Trainer:
                 # Checkpoint time is not training time: keep it out of the step rates.
                 with meter.paused():
                     self.save_checkpoint()
+            every = self.config.eval.every
+            if self.evaluator is not None and every and self.step % every == 0:
+                with meter.paused():  # nor is evaluation
+                    self.evaluate()
         return last_loss
+
+    def evaluate(self) -> Any:
+        """Score the model on the held-out samples now; emits an ``eval`` event and, with
+        ``checkpoint.keep_best``, keeps a checkpoint of a new best. Returns the
+        :class:`~speedtronic.eval.EvalResult` (None without an evaluator)."""
+        if self.evaluator is None:
+            return None
+        result = self.evaluator.evaluate(self.model, self.step)
+        self._last_eval_step = self.step
+        self.emit("eval", result.payload())
+        if self.config.checkpoint.keep_best and (
+            self.best_eval is None or result.loss < self.best_eval[0]
+        ):
+            self.best_eval = (result.loss, self.step)
+            if self._last_saved_step != self.step:
+                self.save_checkpoint()
+            self.checkpoints.mark_best(self.step, result.loss)
+            log.info("best eval loss so far: %.4f at step %d", result.loss, self.step)
+        return result
 
     def _skipped_step(self) -> None:
         """Report a GradScaler overflow; the step, scheduler and plugins do not advance."""

@@ -4,6 +4,7 @@ durable file writes, and the process RNG state they carry."""
 from __future__ import annotations
 
 from speedtronic.checkpoint.manager import (
+    BEST_POINTER,
     FORMAT_VERSION,
     MANIFEST,
     POINTER,
@@ -17,6 +18,7 @@ from speedtronic.checkpoint.manager import (
 from speedtronic.checkpoint.rng import rng_state, set_rng_state
 
 __all__ = [
+    "BEST_POINTER",
     "FORMAT_VERSION",
     "MANIFEST",
     "POINTER",

@@ -41,6 +41,7 @@ from speedtronic.checkpoint.fileio import atomic_write_text, fsync_dir, fsync_fi
 from speedtronic.errors import CheckpointError
 
 __all__ = [
+    "BEST_POINTER",
     "FORMAT_VERSION",
     "MANIFEST",
     "POINTER",
@@ -57,6 +58,8 @@ log = logging.getLogger("speedtronic.checkpoint")
 
 FORMAT_VERSION = 1
 POINTER = "latest.json"
+# Names the checkpoint with the lowest eval loss (checkpoint.keep_best); retention keeps it.
+BEST_POINTER = "best.json"
 TENSORS = "tensors.safetensors"
 STATE = "state.json"
 MANIFEST = "manifest.json"
@@ -64,6 +67,8 @@ MANIFEST = "manifest.json"
 NAME_PATTERN = re.compile(r"^step_(\d{8,18})$")
 # Files are hashed in slices of this size, in parallel, so big checkpoints verify quickly.
 HASH_CHUNK_BYTES = 32 << 20
+# A pointer is one short JSON line; anything larger is not one.
+MAX_POINTER_BYTES = 64 << 10
 # Anything in the directory starting with this is ours and unreferenced: staging directories
 # of interrupted saves, parked copies of a re-saved step, checkpoints being deleted.
 _HIDDEN_PREFIX = ".step_"
@@ -179,7 +184,8 @@ class CheckpointManager:
         # Only checkpoints older than the new one count: a higher-numbered directory is either
         # one that failed verification on resume (it is replaced when the run gets there) or
         # one from an earlier run in the same directory, which is not ours to delete.
-        older = [p for p in self.candidates() if (step_of(p.name) or 0) < step]
+        best = self.pointer_target(BEST_POINTER)
+        older = [p for p in self.candidates() if (step_of(p.name) or 0) < step and p != best]
         for path in older[self.keep_last - 1 :]:
             # Hide first (atomic), then delete: a crash mid-delete never leaves a visible,
             # half-deleted checkpoint that a later resume would have to skip.
@@ -212,15 +218,30 @@ class CheckpointManager:
         ]
         return sorted(dirs, key=lambda p: step_of(p.name) or 0, reverse=True)
 
-    def pointer_target(self) -> Path | None:
-        """The checkpoint directory ``latest.json`` names, or None if there is no usable pointer.
+    def mark_best(self, step: int, eval_loss: float) -> None:
+        """Point ``best.json`` at the (already written) checkpoint of ``step``."""
+        name = checkpoint_name(step)
+        if not (self.directory / name / MANIFEST).is_file():
+            raise CheckpointError(f"cannot mark {name} as best: it is not a complete checkpoint")
+        atomic_write_text(
+            self.directory / BEST_POINTER,
+            json.dumps({"checkpoint": name, "step": step, "eval_loss": eval_loss}) + "\n",
+        )
+
+    def pointer_target(self, pointer_name: str = POINTER) -> Path | None:
+        """The checkpoint directory a pointer file (``latest.json`` by default, or
+        ``best.json``) names, or None if there is no usable pointer.
 
         The name must match ``step_NNNNNNNN`` exactly, so it can never lead outside the
         directory; a pointer that fails that check is reported and ignored.
         """
-        pointer = self.directory / POINTER
+        pointer = self.directory / pointer_name
         try:
-            data = json.loads(pointer.read_text(encoding="utf-8"))
+            with open(pointer, "rb") as handle:
+                raw = handle.read(MAX_POINTER_BYTES + 1)
+            if len(raw) > MAX_POINTER_BYTES:
+                raise ValueError(f"larger than {MAX_POINTER_BYTES} bytes")
+            data = json.loads(raw.decode("utf-8"))
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as exc:
@@ -301,6 +322,33 @@ class CheckpointManager:
             except CheckpointError as exc:
                 raise CheckpointError(f"{path.name}: {exc}") from None
         return LoadedCheckpoint(path=path, step=step, state=state)
+
+    def load(
+        self, which: str = "latest", check: Callable[[Any], None] | None = None
+    ) -> LoadedCheckpoint:
+        """``which``: ``latest`` (the newest usable checkpoint), ``best`` (the one ``best.json``
+        names) or the path of a checkpoint directory. Raises :class:`CheckpointError` naming
+        what is missing or unusable."""
+        if which == "latest":
+            loaded = self.load_latest(check)
+            if loaded is None:
+                raise CheckpointError(f"no checkpoint in {self.directory}")
+            return loaded
+        if which == "best":
+            target = self.pointer_target(BEST_POINTER)
+            if target is None:
+                raise CheckpointError(
+                    f"no best checkpoint in {self.directory} ({BEST_POINTER} is missing: the run "
+                    "needs checkpoint.keep_best and an eval section)"
+                )
+            return self.read(target, check)
+        path = Path(which)
+        if step_of(path.name) is None:
+            raise CheckpointError(f"{which} is not a checkpoint directory (step_NNNNNNNN)")
+        try:
+            return CheckpointManager(path.parent, self.keep_last).read(path, check)
+        except CheckpointError as exc:
+            raise CheckpointError(f"checkpoint {path.parent}/{exc}") from None
 
     def load_latest(self, check: Callable[[Any], None] | None = None) -> LoadedCheckpoint | None:
         """The newest usable checkpoint, or None when the directory holds none at all.

@@ -1,0 +1,117 @@
+"""``speedtronic eval``: score a saved checkpoint (or a DiLoCo global) on the config's eval data.
+
+The held-out samples are exactly the ones training evaluates (see :mod:`speedtronic.eval`), so
+the number printed here matches the run's ``eval`` events for the same weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from speedtronic.errors import CheckpointError, PluginError
+
+__all__ = ["add_eval_command", "cmd_eval"]
+
+
+def add_eval_command(subparsers: Any) -> None:
+    """Register ``speedtronic eval`` on the CLI's sub-parsers."""
+    command = subparsers.add_parser(
+        "eval", help="evaluate a checkpoint (or a DiLoCo global) on the held-out data"
+    )
+    command.add_argument("--config", "-c", required=True, help="YAML or JSON config file")
+    which = command.add_mutually_exclusive_group()
+    which.add_argument(
+        "--checkpoint",
+        default="latest",
+        metavar="latest|best|PATH",
+        help="which checkpoint of the run to score (default latest)",
+    )
+    which.add_argument(
+        "--global",
+        dest="use_global",
+        action="store_true",
+        help="score the shared store's current global weights (needs speedtronic-diloco)",
+    )
+    command.add_argument("--batches", type=int, help="override eval.batches")
+    command.add_argument(
+        "--format", choices=("table", "json"), default="table", help="output format"
+    )
+    command.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a dotted config key, value parsed as YAML (repeatable)",
+    )
+    command.set_defaults(handler=cmd_eval)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Load the weights, evaluate, print loss/ppl/tokens."""
+    from speedtronic.config import SpeedtronicConfig
+
+    config = SpeedtronicConfig.from_file(args.config)
+    overrides = list(args.set or [])
+    if args.batches is not None:
+        overrides.append(f"eval.batches={args.batches}")
+    if overrides:
+        config = config.with_overrides(overrides)
+
+    from speedtronic.checkpoint import CheckpointManager
+    from speedtronic.eval import Evaluator, build_eval_source
+    from speedtronic.parts import model_limits
+    from speedtronic.plugins import get_plugin_manager
+    from speedtronic.precision import resolve_device, resolve_precision
+    from speedtronic.registry import build_model_from_hook
+    from speedtronic.trainer import state_mismatch
+
+    model = build_model_from_hook(config.model.name, **config.model.params)
+    if args.use_global:
+        weights = get_plugin_manager().hook.load_global_state(config=config, model=model)
+        if weights is None:
+            raise PluginError(
+                "--global: no plugin can read global weights for this config (install "
+                "speedtronic-diloco and enable the distributed section)"
+            )
+        source = "the store's global weights"
+    else:
+        loaded = CheckpointManager(config.checkpoint_dir).load(args.checkpoint)
+        weights = loaded.state.get("model") if isinstance(loaded.state, dict) else None
+        source = str(loaded.path)
+    mismatch = state_mismatch(model.state_dict(), weights)
+    if mismatch:
+        raise CheckpointError(f"{source} does not fit this model ({mismatch})")
+    model.load_state_dict(weights)
+    device = resolve_device(config.run.device)
+    model.to(device)
+    from speedtronic.batch import label_mode
+
+    evaluator = Evaluator(
+        build_eval_source(config, **model_limits(model, config.model.params)),
+        config.eval.batches,
+        device=device,
+        precision=resolve_precision(config.precision.mode, device),
+        label_mode=label_mode(config.data.labels, model),
+    )
+    result = evaluator.evaluate(model, step=-1)
+    record = {
+        "weights": source,
+        "data": evaluator.description,
+        "loss": result.loss,
+        "ppl": result.ppl,
+        "tokens": result.tokens,
+        "batches": result.batches,
+        "elapsed_s": result.elapsed_s,
+    }
+    if args.format == "json":
+        print(json.dumps(record, allow_nan=False, default=str))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="speedtronic eval", show_header=False)
+    for key, value in record.items():
+        table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+    Console().print(table)
+    return 0

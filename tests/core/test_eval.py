@@ -1,0 +1,181 @@
+"""Held-out evaluation: it never disturbs training, scores the same samples every time, keeps
+the best checkpoint, survives a resume, and `speedtronic eval` gives the same number."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from core.toy_runs import merge_sections, tiny_transformer_run, train
+
+from speedtronic import SpeedtronicConfig
+from speedtronic.checkpoint import CheckpointManager
+from speedtronic.errors import CheckpointError, ConfigError
+from speedtronic.eval import EvalResult, eval_seed
+from speedtronic.runtime import build_runtime
+
+EVAL_CLI = (sys.executable, "-m", "speedtronic", "eval", "-c")
+
+
+def run_config(tmp_path: Path, **sections: Any) -> dict[str, Any]:
+    # Dropout 0.1 in the tiny transformer: any RNG draw by eval would change the curve.
+    return merge_sections(tiny_transformer_run(tmp_path, scheduler={"total_steps": 16}), sections)
+
+
+def weights(trainer: Any) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def test_training_is_bitwise_the_same_with_and_without_eval(tmp_path: Path) -> None:
+    _, plain, plain_trainer = train(run_config(tmp_path / "plain"))
+    _, evaluated, eval_trainer = train(
+        run_config(tmp_path / "eval", eval={"every": 3, "batches": 2})
+    )
+    assert evaluated.losses == plain.losses  # exact, not approximate
+    a, b = weights(plain_trainer), weights(eval_trainer)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(torch.get_rng_state(), torch.get_rng_state())  # sanity
+    steps = [p["step"] for p in evaluated.named("eval")]
+    assert steps == [3, 6, 9, 12, 15, 16]  # every 3, and once at the end
+    for payload in evaluated.named("eval"):
+        assert set(payload) >= {"step", "loss", "ppl", "tokens", "elapsed_s"}
+        assert payload["tokens"] == 2 * 2 * 16 and payload["ppl"] > 1
+    assert plain.named("eval") == []  # no eval section: nothing evaluated
+
+
+def test_the_same_held_out_samples_are_scored_every_time(tmp_path: Path) -> None:
+    runtime = build_runtime(
+        run_config(tmp_path, eval={"batches": 3, "at_end": True}), console=False
+    )
+    evaluator = runtime.trainer.evaluator
+    first = evaluator.evaluate(runtime.model, 0)
+    again = evaluator.evaluate(runtime.model, 0)
+    assert first.loss == again.loss and first.tokens == again.tokens == 3 * 2 * 16
+    assert runtime.model.training  # train mode restored
+
+
+def test_the_synthetic_held_out_samples_are_not_training_samples(tmp_path: Path) -> None:
+    config = run_config(tmp_path, eval={"batches": 4, "at_end": True})
+    runtime = build_runtime(config, console=False)
+    held_out = {
+        tuple(row.tolist())
+        for batch in runtime.trainer.evaluator._held_out()
+        for row in batch["input_ids"]
+    }
+    trained = {
+        tuple(row.tolist())
+        for _, batch in zip(range(200), runtime.data.iterate(0))
+        for row in batch["input_ids"]
+    }
+    assert held_out and not held_out & trained
+    assert eval_seed(0) != 0 and eval_seed(7) != 7
+
+
+def test_resume_with_eval_on_equals_an_uninterrupted_run(tmp_path: Path) -> None:
+    evaluation = {"every": 4, "batches": 2}
+    _, straight, _ = train(run_config(tmp_path / "straight", eval=evaluation))
+    config = run_config(tmp_path / "chain", eval=evaluation)
+    train(merge_sections(copy.deepcopy(config), {"run": {"max_steps": 8}}))
+    _, resumed, _ = train(merge_sections(copy.deepcopy(config), {"checkpoint": {"resume": True}}))
+    assert {**straight.losses} == {
+        **{step: loss for step, loss in straight.losses.items() if step <= 8},
+        **resumed.losses,
+    }
+    straight_evals = {p["step"]: p["loss"] for p in straight.named("eval")}
+    resumed_evals = {p["step"]: p["loss"] for p in resumed.named("eval")}
+    assert resumed_evals == {step: loss for step, loss in straight_evals.items() if step > 8}
+
+
+class ScriptedEvaluator:
+    """Returns the losses it is given, in order (the retention rule is what is tested)."""
+
+    description = "scripted"
+
+    def __init__(self, losses: list[float]) -> None:
+        self.losses = list(losses)
+
+    def evaluate(self, model: Any, step: int) -> EvalResult:
+        loss = self.losses.pop(0)
+        return EvalResult(step, loss, 1.0, 1, 1, 0.0)
+
+
+def test_keep_best_keeps_the_lowest_eval_loss_checkpoint_past_retention(tmp_path: Path) -> None:
+    config = SpeedtronicConfig.from_dict(
+        run_config(
+            tmp_path,
+            eval={"every": 2, "at_end": False},
+            checkpoint={"interval": 2, "keep_last": 1, "keep_best": True},
+        )
+    )
+    from speedtronic.data import build_dataloader
+    from speedtronic.metrics import MetricLogger
+    from speedtronic.parts import build_parts
+    from speedtronic.registry import build_model_from_hook
+    from speedtronic.trainer import Trainer
+
+    model = build_model_from_hook(config.model.name, **config.model.params)
+    data = build_dataloader(config, seq_len=16, vocab_size=256)
+    losses = [3.0, 2.0, 2.5, 2.7, 2.1, 2.9, 3.1, 2.2]  # best at step 4
+    parts = build_parts(
+        config, model, data, metric_logger=MetricLogger(), evaluator=ScriptedEvaluator(losses)
+    )
+    Trainer.from_parts(parts).fit()
+    directory = tmp_path / "checkpoints"
+    names = sorted(p.name for p in directory.iterdir() if p.name.startswith("step_"))
+    assert names == ["step_00000004", "step_00000016"]  # the best survives keep_last=1
+    best = json.loads((directory / "best.json").read_text())
+    assert best == {"checkpoint": "step_00000004", "step": 4, "eval_loss": 2.0}
+    assert CheckpointManager(directory).load("best").step == 4
+
+
+def test_keep_best_needs_an_eval_section() -> None:
+    with pytest.raises(ConfigError, match=r"^checkpoint\.keep_best: needs an eval loss"):
+        SpeedtronicConfig.from_dict({"checkpoint": {"keep_best": True}})
+
+
+def test_text_training_data_needs_held_out_text(tmp_path: Path) -> None:
+    text = tmp_path / "corpus.txt"
+    text.write_text("hello world " * 200)
+    config = run_config(tmp_path, data={"text_path": str(text)}, eval={"every": 4})
+    with pytest.raises(ConfigError, match=r"^eval: evaluating with data\.text_path needs"):
+        build_runtime(config, console=False)
+
+
+def test_eval_cli_scores_a_checkpoint_like_the_run_did(tmp_path: Path) -> None:
+    config = run_config(tmp_path, eval={"every": 8, "batches": 2}, checkpoint={"keep_best": True})
+    _, events, _ = train(config)
+    (tmp_path / "run.json").write_text(json.dumps(config))
+    final_eval = events.named("eval")[-1]
+    done = subprocess.run(
+        [*EVAL_CLI, str(tmp_path / "run.json"), "--checkpoint", "best", "--format", "json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    record = json.loads(done.stdout)
+    assert record["loss"] == pytest.approx(final_eval["loss"], abs=1e-6)
+    assert record["tokens"] == final_eval["tokens"]
+    missing = subprocess.run(
+        [*EVAL_CLI, str(tmp_path / "run.json"), "--checkpoint", str(tmp_path / "x/step_00000003")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert missing.returncode == 2 and missing.stderr.startswith("error: checkpoint ")
+    assert "Traceback" not in missing.stderr
+
+
+def test_a_corrupt_checkpoint_is_one_clear_error(tmp_path: Path) -> None:
+    config = run_config(tmp_path, run={"max_steps": 4})
+    train(config)
+    newest = tmp_path / "checkpoints" / "step_00000004"
+    (newest / "tensors.safetensors").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match=r"step_00000004.* (bytes|sha256)"):
+        CheckpointManager(tmp_path / "checkpoints").load(str(newest))
