@@ -16,7 +16,7 @@ from torch import nn
 
 from speedtronic.checkpoint.fileio import atomic_write_bytes
 from speedtronic_diloco.config import DistributedConfig
-from speedtronic_diloco.transport import (
+from speedtronic_diloco.transports import (
     GLOBAL_WEIGHTS,
     DeltaInfo,
     GlobalMetadata,
@@ -25,6 +25,10 @@ from speedtronic_diloco.transport import (
     delta_path,
     parse_delta_path,
 )
+
+SETTLE = 120.0
+"""Bound, in seconds, of every wait for another thread in these tests. Generous on purpose:
+waits end as soon as their condition holds, and the bound only matters on a loaded machine."""
 
 
 class MemoryTransport(Transport):
@@ -62,7 +66,7 @@ class MemoryTransport(Transport):
         self.entered[method].set()
         hold = self._holds.get(method)
         if hold is not None:
-            hold.wait(30)
+            hold.wait(SETTLE)
         with self._lock:
             if self._failures[method]:
                 raise self._failures[method].popleft()
@@ -184,7 +188,7 @@ def dist_config(**overrides: Any) -> DistributedConfig:
     return DistributedConfig(**values)
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
+def wait_for(predicate: Callable[[], bool], timeout: float = SETTLE, what: str = "") -> None:
     """Bounded polling for a condition that another thread makes true."""
     deadline = time.monotonic() + timeout
     while not predicate():

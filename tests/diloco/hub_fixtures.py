@@ -14,11 +14,14 @@ from hub_emulator import HubEmulator
 from huggingface_hub import constants, file_download
 from huggingface_hub.utils import _http as hf_http
 
-from speedtronic_diloco.hub import HubTransport
-from speedtronic_diloco.transport import GlobalMetadata
+from speedtronic_diloco.transports import GlobalMetadata
+from speedtronic_diloco.transports.hub import HubTransport
 
 TOKEN = "hf_test_secret_token"
 REPO = "speedtronic/diloco-run"
+HANG_TIMEOUT = 1.0
+"""The request timeout of tests that hang one request on purpose. The requests before it must
+still succeed within it, so it is not tiny: a loaded machine answers slower, never faster."""
 
 
 @pytest.fixture(name="hub")

@@ -9,14 +9,14 @@ from typing import Any
 
 import pytest
 import torch
-from diloco_fakes import MemoryTransport, dist_config, make_net, nudge, wait_for
+from diloco_fakes import SETTLE, MemoryTransport, dist_config, make_net, nudge, wait_for
 from safetensors.torch import load
 
 from speedtronic.errors import ConfigError
 from speedtronic_diloco import coordinator as coordinator_module
 from speedtronic_diloco.coordinator import DumbDiLoCo, DumbDiLoCoCoordinator
 from speedtronic_diloco.tensors import cpu_state_dict
-from speedtronic_diloco.transport import PermanentTransportError, TransientTransportError
+from speedtronic_diloco.transports import PermanentTransportError, TransientTransportError
 
 
 @pytest.fixture
@@ -340,17 +340,17 @@ def test_async_upload_does_not_block_and_skips_while_busy(
     nudge(model)
     assert coordinator.after_optimizer_step(model, 2) is True  # dispatched, not waited for
     assert not release.is_set()
-    store.entered["upload_delta"].wait(10)
+    assert store.entered["upload_delta"].wait(SETTLE)
     nudge(model)
     assert coordinator.after_optimizer_step(model, 4) is False
     assert [e for e, _ in events].count("delta_upload_skipped") == 1
     release.set()
-    assert coordinator.wait_idle()
+    assert coordinator.wait_idle(SETTLE)
     assert list(store.deltas()) == ["nodes/w1/delta_2.safetensors"]
     # The baseline advanced to the uploaded snapshot (step 2), so step 6 covers steps 3-6.
     nudge(model)
     coordinator.after_optimizer_step(model, 6)
-    assert coordinator.wait_idle()
+    assert coordinator.wait_idle(SETTLE)
     torch.testing.assert_close(
         store.deltas()["nodes/w1/delta_6.safetensors"]["a.bias"], torch.full((4,), -0.02)
     )
@@ -365,18 +365,18 @@ def test_async_generation_guard_keeps_newer_baseline(
     release = store.hold("upload_delta")
     nudge(model)
     coordinator.after_optimizer_step(model, 2)  # upload in flight, holding the step-2 snapshot
-    store.entered["upload_delta"].wait(10)
+    assert store.entered["upload_delta"].wait(SETTLE)
     published = params(make_net(seed=1))
     store.publish_state(published, 5, tmp_path)
     nudge(model)
     assert coordinator.after_optimizer_step(model, 4) is True  # polled and installed
     assert coordinator.last_global_step == 5
     release.set()
-    assert coordinator.wait_idle()
+    assert coordinator.wait_idle(SETTLE)
     # The old completion must not move the baseline back to its step-2 snapshot.
     nudge(model, 0.25)
     coordinator.after_optimizer_step(model, 6)
-    assert coordinator.wait_idle()
+    assert coordinator.wait_idle(SETTLE)
     delta = store.deltas()["nodes/w1/delta_6.safetensors"]
     torch.testing.assert_close(delta["a.weight"], torch.full((4, 4), -0.25))
     assert delta.keys() == {"a.weight", "a.bias", "b.weight", "b.bias"}
@@ -389,11 +389,11 @@ def test_async_upload_failure_leaves_baseline(store: MemoryTransport, tmp_path: 
     store.fail("upload_delta", PermanentTransportError("403"))
     nudge(model)
     assert coordinator.after_optimizer_step(model, 2) is True
-    assert coordinator.wait_idle()
+    assert coordinator.wait_idle(SETTLE)
     assert store.deltas() == {}
     nudge(model)
     coordinator.after_optimizer_step(model, 4)
-    assert coordinator.wait_idle()
+    assert coordinator.wait_idle(SETTLE)
     torch.testing.assert_close(
         store.deltas()["nodes/w1/delta_4.safetensors"]["b.bias"], torch.full((1,), -0.02)
     )
@@ -410,9 +410,9 @@ def test_async_poll_never_touches_the_live_model(store: MemoryTransport, tmp_pat
     before = params(model)
     release = store.hold("download_global")
     assert coordinator.after_optimizer_step(model, 2) is False  # the poll was only requested
-    store.entered["download_global"].wait(10)
+    assert store.entered["download_global"].wait(SETTLE)
     release.set()
-    assert coordinator.wait_idle()
+    assert coordinator.wait_idle(SETTLE)
     assert_same(params(model), before)  # fetched, but not installed by the lane
     assert coordinator.last_global_step == -1
     assert coordinator.after_optimizer_step(model, 3) is True  # installed by the callback
@@ -510,7 +510,7 @@ def test_stop_is_bounded_does_not_force_a_delta_and_restarts(
     release = store.hold("upload_delta")
     nudge(model)
     coordinator.after_optimizer_step(model, 3)
-    store.entered["upload_delta"].wait(10)
+    assert store.entered["upload_delta"].wait(SETTLE)
     with caplog.at_level(logging.WARNING, "speedtronic.diloco"):
         coordinator.stop()  # the stuck upload outlives the bounded wait
     assert "still busy" in caplog.text
@@ -519,7 +519,7 @@ def test_stop_is_bounded_does_not_force_a_delta_and_restarts(
     coordinator.start()
     nudge(model)
     assert coordinator.after_optimizer_step(model, 6) is True
-    assert coordinator.wait_idle()
+    assert coordinator.wait_idle(SETTLE)
     assert "nodes/w1/delta_6.safetensors" in store.files
     coordinator.stop()
 

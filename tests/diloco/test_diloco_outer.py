@@ -10,18 +10,18 @@ from typing import Any
 
 import pytest
 import torch
-from diloco_fakes import MemoryTransport, dist_config, make_net, nudge, wait_for
+from diloco_fakes import SETTLE, MemoryTransport, dist_config, make_net, nudge, wait_for
 from safetensors import safe_open
 
 from speedtronic_diloco.coordinator import DumbDiLoCoCoordinator
-from speedtronic_diloco.outer import (
-    MasterOuterLoop,
-    StartupChoice,
-    nesterov_step,
-    select_startup_state,
-)
+from speedtronic_diloco.outer import MasterOuterLoop, nesterov_step
+from speedtronic_diloco.startup import StartupChoice, select_startup_state
 from speedtronic_diloco.tensors import cpu_state_dict, save_tensors
-from speedtronic_diloco.transport import GlobalMetadata, PermanentTransportError
+from speedtronic_diloco.transports import (
+    GlobalMetadata,
+    PermanentTransportError,
+    TransientTransportError,
+)
 
 
 def make_loop(
@@ -166,7 +166,6 @@ def test_transient_download_failure_retries_next_round(tmp_path: Path) -> None:
     loop.retry = loop.retry.__class__(retries=0, backoff=0)
     loop.bootstrap(weights())
     upload(store, tmp_path, "a", 5, random_delta(1))
-    from speedtronic_diloco.transport import TransientTransportError
 
     store.fail("download_delta", TransientTransportError("503"))
     assert loop.run_round() is None
@@ -363,24 +362,38 @@ def test_crash_between_persist_and_publish_republishes(tmp_path: Path) -> None:
     assert restarted.outer.run_round() is None  # the delta is not aggregated twice
 
 
-def test_master_installs_its_own_rounds_at_the_next_step(tmp_path: Path) -> None:
+def test_master_installs_its_own_rounds_at_its_next_boundary(tmp_path: Path) -> None:
     store = MemoryTransport()
-    coordinator, model = master(store, tmp_path, inner_steps=2)
+    coordinator, model = master(store, tmp_path, inner_steps=2)  # poll_interval: an hour
     coordinator.start()
-    coordinator.outer.stop()  # rounds are driven by hand below
+    assert coordinator.outer.stop(SETTLE)  # rounds are driven by hand below
     nudge(model)
     coordinator.after_optimizer_step(model, 2)  # the master is a participant too
     upload(store, tmp_path, "w", 2, random_delta(1))
     coordinator.outer.run_round()
     assert coordinator.outer_step == 1
     assert coordinator.last_global_step == 0
-    coordinator.after_optimizer_step(model, 4)
+    assert coordinator.after_optimizer_step(model, 3) is False  # no boundary, no poll due
+    assert coordinator.last_global_step == 0
+    assert coordinator.after_optimizer_step(model, 4) is True  # the boundary installs it
     assert coordinator.last_global_step == 1
     _, published = coordinator.outer.snapshot()
     for name, value in published.items():
         torch.testing.assert_close(model.state_dict()[name], value)
     state = coordinator.state_dict()
     assert state["outer"]["outer_step"] == 1 and set(state["outer"]) >= {"momentum", "global"}
+    coordinator.stop()
+
+
+def test_master_installs_its_own_rounds_at_a_poll_between_boundaries(tmp_path: Path) -> None:
+    store = MemoryTransport()
+    coordinator, model = master(store, tmp_path, inner_steps=100, poll_interval=0.0)
+    coordinator.start()
+    assert coordinator.outer.stop(SETTLE)
+    upload(store, tmp_path, "w", 2, random_delta(1))
+    coordinator.outer.run_round()
+    assert coordinator.after_optimizer_step(model, 1) is True  # poll_interval (0 s) elapsed
+    assert coordinator.last_global_step == 1
     coordinator.stop()
 
 

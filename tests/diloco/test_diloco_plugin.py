@@ -1,22 +1,98 @@
 """The plugin's hooks in a real Trainer: the ``distributed`` section, per-node data seeds,
-coordinator start/stop, the optimizer-reset switch, checkpointed coordinator state, metrics."""
+coordinator start/stop, the optimizer-reset switch, checkpointed coordinator state, metrics,
+and two runs in one process (one after another, and in two threads) that never share a
+coordinator or a metric event.
+
+The coordinator lives in ``trainer.plugin_state``, which the trainer empties after the run, so
+tests see it through :class:`RunRecorder`, an in-test plugin that takes it during the run.
+"""
 
 from __future__ import annotations
 
+import threading
+from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from diloco_fakes import SETTLE, wait_for
 
 import speedtronic
+from speedtronic import hookimpl, plugins
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.errors import ConfigError
 from speedtronic.plugins import get_plugin_manager, list_plugins
 from speedtronic.runtime import build_runtime
 from speedtronic_diloco import DistributedConfig, DumbDiLoCoCoordinator, SyncResult
 from speedtronic_diloco.plugin import coordinator_of
-from speedtronic_diloco.shared_dir import SharedDirectoryTransport, shared_dir_root
+from speedtronic_diloco.transports.shared_dir import SharedDirectoryTransport, shared_dir_root
+
+DILOCO_EVENTS = {
+    "delta_uploaded",
+    "delta_upload_skipped",
+    "delta_upload_failed",
+    "global_loaded",
+    "outer_step",
+}
+
+
+class RunRecorder:
+    """An in-test plugin. Per trainer: the coordinator of its run (taken at train end, while
+    ``plugin_state`` still holds it) and every event its ``on_metric`` received.
+
+    Before each DiLoCo boundary it waits for the previous upload to finish (so no boundary is
+    skipped because the machine is slow), and at train end for the lanes to be idle and the
+    master's state to be published: bounded polls on conditions, never an assumption about
+    speed. ``barrier`` (optional) holds every run at train start until all runs are there.
+    """
+
+    def __init__(self, barrier: threading.Barrier | None = None) -> None:
+        self.barrier = barrier
+        self.coordinators: dict[Any, Any] = {}
+        self.events: dict[Any, list[tuple[str, dict[str, Any]]]] = defaultdict(list)
+        self._lock = threading.Lock()
+
+    @hookimpl(trylast=True)
+    def on_train_start(self, trainer: Any) -> None:
+        if self.barrier is not None:
+            self.barrier.wait()
+
+    @hookimpl(tryfirst=True)
+    def after_optimizer_step(self, trainer: Any, step: int) -> None:
+        coordinator = coordinator_of(trainer)
+        if coordinator is not None and step % coordinator.config.inner_steps == 0:
+            assert coordinator.wait_idle(SETTLE), "an upload did not finish"
+
+    @hookimpl(tryfirst=True)
+    def on_train_end(self, trainer: Any) -> None:
+        coordinator = coordinator_of(trainer)
+        if coordinator is not None:
+            outer = coordinator.outer
+            wait_for(
+                lambda: (
+                    coordinator.wait_idle(0.05)
+                    and (outer is None or outer.published_step >= outer.outer_step)
+                ),
+                timeout=SETTLE,
+                what="uploads and publication to settle",
+            )
+        with self._lock:
+            self.coordinators[trainer] = coordinator
+
+    @hookimpl
+    def on_metric(self, trainer: Any, event: str, payload: dict[str, Any]) -> None:
+        with self._lock:
+            self.events[trainer].append((event, dict(payload)))
+
+
+@pytest.fixture
+def recorder() -> Iterator[RunRecorder]:
+    recording = RunRecorder()
+    name = plugins.register(recording, name="diloco-test-recorder")
+    yield recording
+    plugins.unregister(name)
 
 
 def config_dict(tmp_path: Path, **distributed: Any) -> dict[str, Any]:
@@ -119,7 +195,7 @@ def test_each_node_draws_its_own_data(tmp_path: Path) -> None:
     assert not torch.equal(batches[0], batches[1])
 
 
-def test_master_training_run_through_hooks(tmp_path: Path) -> None:
+def test_master_training_run_through_hooks(tmp_path: Path, recorder: RunRecorder) -> None:
     events: list[tuple[str, dict[str, Any]]] = []
     runtime = build_runtime(
         config_dict(tmp_path), console=False, hooks=[lambda e, p: events.append((e, p))]
@@ -127,8 +203,9 @@ def test_master_training_run_through_hooks(tmp_path: Path) -> None:
     trainer = runtime.trainer
     result = trainer.fit()
     assert result.steps == 12
-    coordinator = coordinator_of(trainer)
+    coordinator = recorder.coordinators[trainer]
     assert coordinator is not None and not coordinator.started  # stopped at train end
+    assert coordinator_of(trainer) is None and trainer.plugin_state == {}  # dropped after the run
     assert coordinator.state_root == tmp_path / "run" / "diloco" / "m"
     assert trainer.reset_optimizer_on_weight_replace is True
     assert trainer.weights_replaced >= 3  # one push per boundary
@@ -137,6 +214,8 @@ def test_master_training_run_through_hooks(tmp_path: Path) -> None:
     assert {info.local_step for info in store.list_deltas()} == {4, 8, 12}
     uploaded = [p["step"] for e, p in events if e == "delta_uploaded"]
     assert sorted(uploaded) == [4, 8, 12]
+    # The coordinator emits through the trainer: the sinks and on_metric get the same events.
+    assert [e for e, _ in recorder.events[trainer]] == [e for e, _ in events]
     loaded = trainer.checkpoints.load_latest()
     saved = loaded.state["plugins"]["diloco"]
     assert saved["node_id"] == "m" and saved["local_step"] == 12
@@ -154,7 +233,7 @@ def test_reset_inner_optimizer_switch(tmp_path: Path) -> None:
 
 
 def test_resume_hands_checkpoint_state_over_before_start(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recorder: RunRecorder
 ) -> None:
     first = build_runtime(config_dict(tmp_path, role="worker", node_id="w"), console=False)
     first.trainer.fit()
@@ -180,6 +259,78 @@ def test_resume_hands_checkpoint_state_over_before_start(
     result = second.trainer.fit()
     assert result.resumed_from == 12 and result.steps == 16
     assert order[:2] == [("load", False), ("start", False)]  # prepared startup state
-    coordinator = coordinator_of(second.trainer)
+    coordinator = recorder.coordinators[second.trainer]
+    assert coordinator is not recorder.coordinators[first.trainer]  # one coordinator per run
     assert coordinator.local_step == 16
     assert coordinator.last_global_step >= saved["last_global_step"]
+
+
+# --------------------------------------------------------------------------- two runs, one process
+
+
+def two_runs(tmp_path: Path) -> list[tuple[Any, list[tuple[str, dict[str, Any]]], str]]:
+    """A master ``a`` and a worker ``b``, each with its own store, output and metric sink."""
+    runs = []
+    for node, role in (("a", "master"), ("b", "worker")):
+        root = tmp_path / node
+        sink: list[tuple[str, dict[str, Any]]] = []
+        runtime = build_runtime(
+            config_dict(root, node_id=node, role=role),
+            console=False,
+            hooks=[lambda e, p, sink=sink: sink.append((e, dict(p)))],
+        )
+        runs.append((runtime.trainer, sink, node))
+    return runs
+
+
+def assert_runs_kept_apart(
+    recorder: RunRecorder, runs: list[tuple[Any, list[tuple[str, dict[str, Any]]], str]]
+) -> None:
+    coordinators = [recorder.coordinators[trainer] for trainer, _, _ in runs]
+    assert coordinators[0] is not coordinators[1]
+    for (trainer, sink, node), coordinator in zip(runs, coordinators):
+        assert coordinator.node_id == node and coordinator.model is trainer.model
+        assert not coordinator.started and trainer.plugin_state == {}
+        seen = recorder.events[trainer]
+        assert [e for e, _ in seen] == [e for e, _ in sink]  # on_metric == this run's sinks
+        diloco = [p for e, p in seen if e in DILOCO_EVENTS]
+        assert diloco, f"run {node} emitted no DiLoCo event"
+        assert {p["node_id"] for p in diloco} == {node}  # never the other run's
+        assert {p["node_id"] for e, p in sink if e in DILOCO_EVENTS} == {node}
+        uploaded = sorted(p["step"] for e, p in seen if e == "delta_uploaded")
+        assert uploaded == [4, 8, 12]
+        starts = [p for e, p in seen if e == "train_start"]
+        assert len(starts) == 1
+    assert set(recorder.events) == {trainer for trainer, _, _ in runs}
+
+
+def test_two_runs_one_after_another_keep_their_own_coordinator_and_events(
+    tmp_path: Path, recorder: RunRecorder
+) -> None:
+    runs = two_runs(tmp_path)
+    for trainer, _, _ in runs:
+        assert trainer.fit().steps == 12
+    assert_runs_kept_apart(recorder, runs)
+
+
+def test_two_runs_in_two_threads_keep_their_own_coordinator_and_events(
+    tmp_path: Path, recorder: RunRecorder
+) -> None:
+    runs = two_runs(tmp_path)
+    recorder.barrier = threading.Barrier(len(runs), timeout=SETTLE)  # both runs live at once
+    errors: list[BaseException] = []
+
+    def fit(trainer: Any) -> None:
+        try:
+            trainer.fit()
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=fit, args=(trainer,)) for trainer, _, _ in runs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(SETTLE * 3)
+    assert not any(thread.is_alive() for thread in threads), "a run did not finish"
+    assert errors == []
+    assert_runs_kept_apart(recorder, runs)

@@ -10,21 +10,22 @@ import threading
 from pathlib import Path
 
 import pytest
+from diloco_fakes import SETTLE, wait_for
 from safetensors.torch import load_file
 from transport_contract import TransportContract, weights_file
 
 from speedtronic_diloco.config import DistributedConfig
-from speedtronic_diloco.shared_dir import (
-    KEEP_VERSIONS,
-    SharedDirectoryTransport,
-    shared_dir_root,
-)
-from speedtronic_diloco.transport import (
+from speedtronic_diloco.transports import (
     GlobalMetadata,
     IntegrityError,
     PermanentTransportError,
     TransientTransportError,
     open_transport,
+)
+from speedtronic_diloco.transports.shared_dir import (
+    KEEP_VERSIONS,
+    SharedDirectoryTransport,
+    shared_dir_root,
 )
 
 
@@ -106,8 +107,8 @@ def test_malformed_metadata_is_permanent(tmp_path: Path) -> None:
 READER = """
 import sys
 from pathlib import Path
-from speedtronic_diloco.shared_dir import SharedDirectoryTransport
-from speedtronic_diloco.transport import TransientTransportError
+from speedtronic_diloco.transports.shared_dir import SharedDirectoryTransport
+from speedtronic_diloco.transports import IntegrityError, TransientTransportError
 from safetensors.torch import load_file
 store = SharedDirectoryTransport(sys.argv[1])
 dest = Path(sys.argv[2])
@@ -118,6 +119,8 @@ while True:
         continue
     try:
         store.download_global(meta, dest)
+    except IntegrityError:
+        raise  # a torn publication (IntegrityError is transient too: test it first)
     except TransientTransportError:
         continue  # the version was pruned while we read: take the next metadata
     assert float(load_file(dest)["w"][0, 0]) == meta.outer_step, meta
@@ -149,12 +152,15 @@ def test_readers_never_see_metadata_with_other_weights(tmp_path: Path) -> None:
         mine = SharedDirectoryTransport(tmp_path / "store")
         dest = tmp_path / f"r{index}.safetensors"
         while not done.is_set():
-            meta = mine.read_global_metadata()
             try:
+                meta = mine.read_global_metadata()
                 mine.download_global(meta, dest)
+            except IntegrityError as exc:  # would mean a torn publication (it is transient too)
+                problems.append(exc)
+                return
             except TransientTransportError:
-                continue
-            except BaseException as exc:  # IntegrityError would mean a torn publication
+                continue  # the version was pruned while we read: take the next metadata
+            except BaseException as exc:
                 problems.append(exc)
                 return
             if float(load_file(dest)["w"][0, 0]) != meta.outer_step:
@@ -168,11 +174,14 @@ def test_readers_never_see_metadata_with_other_weights(tmp_path: Path) -> None:
     for step in range(1, last + 1):
         publish(store, tmp_path, step)
     try:
-        out, err = process.communicate(timeout=120)
+        out, err = process.communicate(timeout=SETTLE)
+        # The threads read the final version at least, however slowly they were scheduled.
+        wait_for(lambda: checked[0] > 0 or bool(problems), what="a reader thread's download")
     finally:
         done.set()
         for thread in threads:
-            thread.join(30)
+            thread.join(SETTLE)
+    assert not any(thread.is_alive() for thread in threads)
     assert process.returncode == 0, err
     assert int(out.strip()) >= 1
     assert problems == []
@@ -201,7 +210,7 @@ def test_open_transport(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
         open_transport(DistributedConfig(repo_id=str(tmp_path))), SharedDirectoryTransport
     )
     # Without huggingface-hub a Hub repo id is one clear error naming the package.
-    monkeypatch.delitem(sys.modules, "speedtronic_diloco.hub", raising=False)
+    monkeypatch.delitem(sys.modules, "speedtronic_diloco.transports.hub", raising=False)
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)
     with pytest.raises(PermanentTransportError, match=r"pip install 'huggingface-hub.*file://"):
         open_transport(DistributedConfig(repo_id="org/run"))

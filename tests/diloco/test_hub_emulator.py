@@ -7,7 +7,6 @@ relies on: which exception each failure surfaces as, and which calls retry by th
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -16,7 +15,7 @@ import httpx2
 import huggingface_hub
 import pytest
 from hub_emulator import HubEmulator
-from hub_fixtures import client_sleeps_fixture, hub_fixture  # noqa: F401
+from hub_fixtures import HANG_TIMEOUT, client_sleeps_fixture, hub_fixture  # noqa: F401
 from huggingface_hub import (
     CommitOperationAdd,
     CommitOperationDelete,
@@ -249,11 +248,11 @@ def test_persistent_503_on_download_exhausts_retries(
 
 def test_hang_times_out_with_a_short_client_timeout(hub: HubEmulator, api: HfApi) -> None:
     hub.add_repo(REPO)
-    hub.inject_hang("info", seconds=30)
-    started = time.monotonic()
+    hub.inject_hang("info", seconds=60)
+    # A hang that ran out would close the connection (RemoteProtocolError): the client's
+    # timeout fired first, whatever the machine's speed.
     with pytest.raises(httpx2.TimeoutException):
         api.model_info(REPO, timeout=0.3)
-    assert time.monotonic() - started < 5
     assert hub.requests[-1].fault == "hang"
 
 
@@ -263,7 +262,7 @@ def test_client_factory_hook_bounds_calls_without_a_timeout_argument(
     """create_commit takes no timeout; a request hook on the shared client bounds it."""
 
     def bound_timeout(request: httpx2.Request) -> None:
-        request.extensions["timeout"] = httpx2.Timeout(0.3).as_dict()
+        request.extensions["timeout"] = httpx2.Timeout(HANG_TIMEOUT).as_dict()
 
     def bounded_client() -> httpx2.Client:
         client = hf_http.default_client_factory()

@@ -16,8 +16,7 @@ from hub_fixtures import REPO, TOKEN, delta_file, hub_fixture, publish, transpor
 from transport_contract import TransportContract
 
 from speedtronic_diloco.config import DistributedConfig
-from speedtronic_diloco.hub import HubTransport, PublishConflictError
-from speedtronic_diloco.transport import (
+from speedtronic_diloco.transports import (
     GLOBAL_METADATA,
     GLOBAL_WEIGHTS,
     DeltaInfo,
@@ -28,6 +27,7 @@ from speedtronic_diloco.transport import (
     UnsupportedOperation,
     open_transport,
 )
+from speedtronic_diloco.transports.hub import HubTransport, PublishConflictError
 
 
 def _kinds(hub: HubEmulator) -> list[str]:

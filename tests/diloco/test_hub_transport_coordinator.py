@@ -14,11 +14,11 @@ from hub_emulator import HubEmulator
 from hub_fixtures import REPO, TOKEN, hub_fixture, transport  # noqa: F401
 
 from speedtronic_diloco.coordinator import DumbDiLoCoCoordinator
-from speedtronic_diloco.hub import HubTransport
 from speedtronic_diloco.outer import MasterOuterLoop
 from speedtronic_diloco.retry import RetryPolicy
 from speedtronic_diloco.tensors import cpu_state_dict, save_tensors
-from speedtronic_diloco.transport import GLOBAL_METADATA, GLOBAL_WEIGHTS, GlobalMetadata
+from speedtronic_diloco.transports import GLOBAL_METADATA, GLOBAL_WEIGHTS, GlobalMetadata
+from speedtronic_diloco.transports.hub import HubTransport
 
 
 def _publish_net(

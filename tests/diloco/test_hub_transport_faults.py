@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from hub_emulator import HubEmulator
 from hub_fixtures import (  # noqa: F401
+    HANG_TIMEOUT,
     REPO,
     TOKEN,
     client_sleeps_fixture,
@@ -24,16 +25,16 @@ from hub_fixtures import (  # noqa: F401
 from huggingface_hub import hf_hub_download
 from huggingface_hub.errors import OfflineModeIsEnabled
 
-from speedtronic_diloco.hub import HubTransport
-from speedtronic_diloco.hub_errors import classify, retry_after
 from speedtronic_diloco.retry import RetryPolicy
-from speedtronic_diloco.transport import (
+from speedtronic_diloco.transports import (
     DeltaInfo,
     GlobalMetadata,
     PermanentTransportError,
     TransientTransportError,
     TransportError,
 )
+from speedtronic_diloco.transports.hub import HubTransport
+from speedtronic_diloco.transports.hub_errors import classify, retry_after
 
 Op = Callable[[HubTransport, Path, GlobalMetadata], object]
 
@@ -154,8 +155,8 @@ def test_a_hanging_request_times_out(
     op, kind, method = OPERATIONS[name]
     head, before = hub.head(REPO), len(hub.requests)
     hub.inject_hang(kind, seconds=60, method=method)
-    with pytest.raises(TransientTransportError, match=r"timed out after 0\.3 s"):
-        op(transport(hub, timeout=0.3), tmp_path, seeded)
+    with pytest.raises(TransientTransportError, match=f"timed out after {HANG_TIMEOUT:g} s"):
+        op(transport(hub, timeout=HANG_TIMEOUT), tmp_path, seeded)
     assert hub.head(REPO) == head
     assert _count(hub, kind, before) == 1
     assert client_sleeps == []
@@ -308,7 +309,7 @@ def test_the_token_never_appears_in_messages_or_logs(
     caplog.set_level(logging.DEBUG, logger="huggingface_hub")
     messages: list[str] = []
     _seeded(hub, tmp_path)
-    store = transport(hub, timeout=0.3)
+    store = transport(hub, timeout=HANG_TIMEOUT)
     faults: list[Callable[[], None]] = [
         lambda: hub.inject("resolve", status=403, message=f"token {TOKEN} may not read"),
         lambda: hub.inject("tree", status=503, message=f"overloaded for {TOKEN}"),

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from speedtronic_diloco.tensors import save_tensors
-from speedtronic_diloco.transport import (
+from speedtronic_diloco.transports import (
     DeltaInfo,
     GlobalMetadata,
     IntegrityError,

@@ -136,7 +136,7 @@ class Node:
         assert self.process is not None
         self.process.send_signal(sig)
 
-    def wait(self, timeout: float = 60.0) -> int:
+    def wait(self, timeout: float = WAIT) -> int:
         assert self.process is not None
         return self.process.wait(timeout)
 
@@ -266,7 +266,7 @@ def test_master_and_two_workers_recover_and_improve(tmp_path: Path) -> None:
         for node in nodes:
             node.signal(signal.SIGINT)
         for node in nodes:
-            node.wait(60)
+            node.wait()
         final = store_metadata(shared)
         assert final["outer_step"] > killed_step + 1
         global_state = load_file(shared / final["model_file"])

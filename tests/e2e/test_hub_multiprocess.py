@@ -24,7 +24,7 @@ import pytest
 from hub_emulator import HubEmulator
 from test_diloco_multiprocess import Node, wait_until, write_config
 
-from speedtronic_diloco.transport import GLOBAL_METADATA, GlobalMetadata
+from speedtronic_diloco.transports import GLOBAL_METADATA, GlobalMetadata
 
 pytestmark = pytest.mark.slow
 
@@ -120,7 +120,7 @@ def test_master_and_two_workers_through_the_hub(hub: HubEmulator, tmp_path: Path
         for node in nodes:
             node.signal(signal.SIGINT)
         for node in nodes:
-            node.wait(60)
+            node.wait()
     finally:
         for node in nodes:
             if node.alive():

@@ -75,7 +75,9 @@ class Repos:
 
     # -- inspection and seeding (take the lock) -----------------------------------------
 
-    def add(self, repo_id: str, private: bool = False, files: dict[str, bytes] | None = None) -> str:
+    def add(
+        self, repo_id: str, private: bool = False, files: dict[str, bytes] | None = None
+    ) -> str:
         """Create a repo (optionally with a second commit of ``files``); its head sha."""
         with self.lock:
             repo = self.new_repo(repo_id, private)

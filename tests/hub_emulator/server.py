@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -200,6 +201,7 @@ class HubEmulator:
         route = parse_route(method, url.path)
         auth = handler.headers.get("Authorization")
         fault = self._faults.take(route.kind, method)
+        action = fault.action if fault is not None else None
 
         def answer() -> Reply:
             return self._api.handle(route, method, parse_qs(url.query), auth, body)
@@ -209,7 +211,6 @@ class HubEmulator:
             with self._log_lock:
                 self._log.append(entry)
 
-        action = fault.action if fault is not None else None
         if fault is not None and fault.callback is not None:
             try:
                 fault.callback()
@@ -262,16 +263,10 @@ class _Server(ThreadingHTTPServer):
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A client that reset a kept-alive connection is normal here (timeouts, drops): log
         it instead of printing a traceback to stderr; anything else is reported as usual."""
-        if isinstance(_current_exception(), (ConnectionResetError, BrokenPipeError)):
+        if isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
             logger.debug("client %s reset the connection", client_address)
             return
         super().handle_error(request, client_address)
-
-
-def _current_exception() -> BaseException | None:
-    import sys
-
-    return sys.exc_info()[1]
 
 
 class _Handler(BaseHTTPRequestHandler):

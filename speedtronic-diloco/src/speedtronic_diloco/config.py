@@ -4,11 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from speedtronic.errors import ConfigError
 from speedtronic.schema import Section, build_section, option
 from speedtronic_diloco.identity import validate_node_id
+
+__all__ = ["DEFAULT_STATE_DIR", "DistributedConfig", "distributed_config", "resolve_state_dir"]
+
+#: The local state root when ``distributed.state_dir`` is unset: under ``run.output_dir`` for a
+#: trainer run, under the working directory for a coordinator built by hand.
+DEFAULT_STATE_DIR = "diloco"
 
 
 @dataclass
@@ -65,7 +72,7 @@ class DistributedConfig(Section):
     state_dir: str | None = option(
         None,
         help="Local state root (outer state, caches); relative paths are under "
-        "`run.output_dir`. Default `<run.output_dir>/diloco`.",
+        f"`run.output_dir`. Default `<run.output_dir>/{DEFAULT_STATE_DIR}`.",
     )
     cache_dir: str | None = option(
         None,
@@ -107,3 +114,12 @@ def distributed_config(config: Any) -> DistributedConfig:
     if isinstance(section, DistributedConfig):
         return section
     return build_section(DistributedConfig, section, "distributed")
+
+
+def resolve_state_dir(section: DistributedConfig, base: str | Path | None = None) -> Path:
+    """``section.state_dir`` (default :data:`DEFAULT_STATE_DIR`); a relative path is taken under
+    ``base`` (a run's ``run.output_dir``) when given, else under the working directory."""
+    configured = Path(section.state_dir or DEFAULT_STATE_DIR)
+    if base is None or configured.is_absolute():
+        return configured
+    return Path(base) / configured

@@ -5,7 +5,9 @@ current weights) and polls for newer global weights; between boundaries it polls
 ``poll_interval`` seconds. Uploads and polls run in background lanes by default, so the
 training thread only copies tensors; global weights are installed by the training thread at
 its next callback, never by a lane. The master also runs the outer loop
-(:class:`~speedtronic_diloco.outer.MasterOuterLoop`) in a thread of its own.
+(:class:`~speedtronic_diloco.outer.MasterOuterLoop`) in a thread of its own; which state it
+continues from at startup is decided in :mod:`speedtronic_diloco.startup`. Downloaded globals
+are kept per version in a :class:`~speedtronic_diloco.cache.GlobalCache`.
 
 The baseline (the weights the next delta is measured from) advances only after a successful
 upload, to the exact snapshot that was uploaded, and only if no global was installed in the
@@ -28,35 +30,29 @@ from typing import Any
 
 from torch import nn
 
-from speedtronic.checkpoint.fileio import sha256_file
-from speedtronic.errors import TransportError
-from speedtronic_diloco.config import DistributedConfig, distributed_config
+from speedtronic_diloco.cache import GlobalCache
+from speedtronic_diloco.config import DistributedConfig, distributed_config, resolve_state_dir
 from speedtronic_diloco.identity import resolve_node_id
 from speedtronic_diloco.lanes import Lane
-from speedtronic_diloco.outer import MasterOuterLoop, StartupChoice, select_startup_state
+from speedtronic_diloco.outer import MasterOuterLoop
 from speedtronic_diloco.retry import RetryPolicy
+from speedtronic_diloco.startup import prepare_master
 from speedtronic_diloco.tensors import (
     StateMismatchError,
     TensorDict,
-    TensorFileError,
     compute_pseudo_gradient,
     cpu_state_dict,
     install_state,
-    load_tensors,
     save_tensors,
 )
-from speedtronic_diloco.transport import (
-    GlobalMetadata,
-    Transport,
-    UnsupportedOperation,
-    open_transport,
-)
+from speedtronic_diloco.transports import GlobalMetadata, Transport, open_transport
+
+__all__ = ["STOP_TIMEOUT", "DumbDiLoCo", "DumbDiLoCoCoordinator", "SyncResult"]
 
 log = logging.getLogger("speedtronic.diloco")
 
 STOP_TIMEOUT = 10.0
-KEEP_CACHED_GLOBALS = 2
-DEFAULT_STATE_DIR = "diloco_state"
+CUMULATIVE = "the next boundary sends a cumulative delta"
 
 
 @dataclass(frozen=True)
@@ -81,10 +77,13 @@ class DumbDiLoCoCoordinator:
     """One node of a DumbDiLoCo run (see the module docstring).
 
     ``config`` is a DistributedConfig, a SpeedtronicConfig or a root mapping with a
-    ``distributed`` section. ``hub`` injects a :class:`~speedtronic_diloco.transport.Transport`
-    (default: the one ``repo_id`` selects). State lives under ``<state_dir>/<node_id>/``.
-    ``logger`` receives metric events: an object with ``emit(event, payload)`` (a
-    MetricLogger) or a callable ``(event, payload)``.
+    ``distributed`` section. ``hub`` injects a :class:`~speedtronic_diloco.transports.Transport`
+    (default: the one ``repo_id`` selects). State lives under ``<state_dir>/<node_id>/``;
+    ``state_dir`` defaults to ``distributed.state_dir``, else ``diloco`` in the working
+    directory (the trainer plugin passes ``<run.output_dir>/diloco``). ``logger`` receives
+    metric events, always from the thread that calls :meth:`start`,
+    :meth:`after_optimizer_step` and :meth:`stop`: an object with ``emit(event, payload)`` (a
+    Trainer or a MetricLogger) or a callable ``(event, payload)``.
     """
 
     def __init__(
@@ -100,10 +99,11 @@ class DumbDiLoCoCoordinator:
         self.node_id = resolve_node_id(self.config.node_id)
         self.role = self.config.role
         self.model = model
-        root = Path(state_dir or self.config.state_dir or DEFAULT_STATE_DIR)
+        root = Path(state_dir) if state_dir else resolve_state_dir(self.config)
         self.state_root = root / self.node_id
         cache = Path(self.config.cache_dir) / self.node_id if self.config.cache_dir else None
         self.cache_dir = cache or self.state_root / "cache"
+        self._globals = GlobalCache(self.cache_dir / "global")
         self.transport: Transport = hub if hub is not None else open_transport(self.config)
         self._emit_to = _emitter(logger)
         self._events: queue.SimpleQueue[tuple[str, dict[str, Any]]] = queue.SimpleQueue()
@@ -181,86 +181,39 @@ class DumbDiLoCoCoordinator:
             self._last_poll = -math.inf
             return
         self._last_poll = time.monotonic()
-        try:
-            metadata = self._retry.call(
-                "read global metadata", self.transport.read_global_metadata, self._stop
-            )
-        except TransportError as exc:
-            log.warning(
-                "reading global metadata from %s failed (%s); training on local weights",
-                self.transport.description,
-                exc,
-            )
-            return
-        if metadata is None:
+        read, metadata = self._retry.attempt(
+            f"reading global metadata from {self.transport.description}",
+            self.transport.read_global_metadata,
+            self._stop,
+            then="training on local weights",
+        )
+        if read and metadata is None:
             log.info("no global weights published yet; training on local weights")
+        if metadata is None:
             return
         tensors = self._fetch_global(metadata)
         if tensors is not None:
             self._install(metadata.outer_step, tensors)
 
     def _start_master(self) -> None:
-        transport = self.transport
-        try:
-            transport.create_store(private=self.config.private)
-        except TransportError as exc:
-            log.warning(
-                "creating store %s failed (%s); training continues locally",
-                transport.description,
-                exc,
-            )
-        if self.config.collaborators:
-            try:
-                transport.grant_write_access(list(self.config.collaborators))
-            except UnsupportedOperation as exc:
-                log.info("%s; grant write access to %s by hand", exc, self.config.collaborators)
-            except TransportError as exc:
-                log.warning("granting write access failed (%s); training continues", exc)
-        outer = MasterOuterLoop(
-            transport,
+        self.outer = prepare_master(
+            self.transport,
+            self.config,
             node_id=self.node_id,
             state_dir=self.state_root,
             cache_dir=self.cache_dir,
-            outer_lr=self.config.outer_lr,
-            outer_momentum=self.config.outer_momentum,
             retry=self._retry,
+            stop=self._stop,
             emit=self._queue_event,
+            fetch_global=self._fetch_global,
+            current_weights=lambda: cpu_state_dict(self.model.state_dict()),
+            checkpointed=self._prepared_outer,
         )
-        if self._prepared_outer is not None and outer.load_state_dict(self._prepared_outer):
-            log.info("master: outer state from the checkpoint (outer step %d)", outer.outer_step)
-        self.outer = outer
-        remote: GlobalMetadata | None = None
-        try:
-            remote = self._retry.call(
-                "read global metadata", transport.read_global_metadata, self._stop
-            )
-        except TransportError as exc:
-            log.warning("reading global metadata failed (%s); using local state", exc)
-        choice = select_startup_state(outer.has_local_state, outer.outer_step, remote)
-        store_step: int | None = None
-        if choice in (StartupChoice.REMOTE, StartupChoice.REMOTE_INITIAL):
-            assert remote is not None
-            tensors = self._fetch_global(remote)
-            if tensors is not None:
-                outer.adopt(remote.outer_step, tensors, remote.processed)
-            else:
-                # Train on, but number the next outer step after the store's version.
-                choice = StartupChoice.LOCAL if outer.has_local_state else StartupChoice.BOOTSTRAP
-                store_step = remote.outer_step
-        if choice is StartupChoice.BOOTSTRAP:
-            outer.bootstrap(cpu_state_dict(self.model.state_dict()))
-        if store_step is not None:
-            outer.continue_after(store_step)
-        elif choice is StartupChoice.LOCAL and (
-            remote is None or remote.outer_step < outer.outer_step
-        ):
-            outer.mark_unpublished()
-        log.info("master startup: %s state at outer step %d", choice.value, outer.outer_step)
         if not self._prepared:
-            snapshot = outer.snapshot()
+            snapshot = self.outer.snapshot()
             if snapshot is not None:
                 self._install(*snapshot)
-        outer.start(self.config.poll_interval)
+        self.outer.start(self.config.poll_interval)
 
     def stop(self) -> None:
         """Stop the lanes and the outer thread without forcing a delta or an outer round;
@@ -336,7 +289,13 @@ class DumbDiLoCoCoordinator:
         return True
 
     def _upload(self, job: _UploadJob) -> bool:
-        path = self.state_root / "outbox" / f"delta_{job.local_step}.safetensors"
+        step = job.local_step
+        what = f"uploading the delta of step {step}"
+        path = self.state_root / "outbox" / f"delta_{step}.safetensors"
+
+        def failed(exc: Exception) -> None:
+            self._queue_event("delta_upload_failed", {"step": step, "error": str(exc)[:200]})
+
         try:
             save_tensors(
                 path,
@@ -344,36 +303,32 @@ class DumbDiLoCoCoordinator:
                 {
                     "format": "1",
                     "node_id": self.node_id,
-                    "local_step": job.local_step,
+                    "local_step": step,
                     "base_outer_step": job.base_outer_step,
                 },
             )
-            self._retry.call(
-                f"upload delta {job.local_step}",
-                lambda: self.transport.upload_delta(self.node_id, job.local_step, path),
-                self._stop,
-            )
-        except (TransportError, OSError) as exc:
-            log.warning(
-                "uploading the delta of step %d failed (%s); the next boundary sends "
-                "a cumulative delta",
-                job.local_step,
-                exc,
-            )
-            self._queue_event(
-                "delta_upload_failed", {"step": job.local_step, "error": str(exc)[:200]}
-            )
+        except OSError as exc:  # the local outbox: full disk, permissions
+            log.warning("%s failed (%s); %s", what, exc, CUMULATIVE)
+            failed(exc)
             return False
+        try:
+            sent, _ = self._retry.attempt(
+                what,
+                lambda: self.transport.upload_delta(self.node_id, step, path),
+                self._stop,
+                then=CUMULATIVE,
+                on_failure=failed,
+            )
         finally:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
+        if not sent:
+            return False
         with self._lock:
-            self._last_uploaded_step = job.local_step
+            self._last_uploaded_step = step
             if job.generation == self._generation:
                 self._baseline = job.target
-        self._queue_event(
-            "delta_uploaded", {"step": job.local_step, "base_outer_step": job.base_outer_step}
-        )
+        self._queue_event("delta_uploaded", {"step": step, "base_outer_step": job.base_outer_step})
         return True
 
     # ----------------------------------------------------------------- polling
@@ -394,17 +349,12 @@ class DumbDiLoCoCoordinator:
     def _fetch_newer_global(self, stash: bool = True) -> tuple[int, TensorDict] | None:
         """Read metadata and fetch the global if it is newer than what is installed or ready.
         With ``stash`` the result waits in ``_ready`` for the training thread."""
-        try:
-            metadata = self._retry.call(
-                "read global metadata", self.transport.read_global_metadata, self._stop
-            )
-        except TransportError as exc:
-            log.warning(
-                "polling %s failed (%s); keeping the current weights",
-                self.transport.description,
-                exc,
-            )
-            return None
+        _, metadata = self._retry.attempt(
+            f"polling {self.transport.description}",
+            self.transport.read_global_metadata,
+            self._stop,
+            then="keeping the current weights",
+        )
         with self._lock:
             known = max(self._last_global_step, self._ready[0] if self._ready else -1)
         if metadata is None or metadata.outer_step <= known:
@@ -420,38 +370,16 @@ class DumbDiLoCoCoordinator:
 
     def _fetch_global(self, metadata: GlobalMetadata) -> TensorDict | None:
         """The weights ``metadata`` describes, from the per-version cache or the store."""
-        directory = self.cache_dir / "global"
-        path = directory / f"outer_{metadata.outer_step:08d}-{metadata.sha256[:12]}.safetensors"
-        if path.exists():
-            if sha256_file(path) == metadata.sha256:
-                return self._load_global(path)
-            log.warning("cached global %s is corrupt; downloading it again", path)
-            path.unlink()
-        try:
-            self._retry.call(
-                f"download global {metadata.outer_step}",
-                lambda: self.transport.download_global(metadata, path),
+
+        def download(dest: Path) -> bool:
+            done, _ = self._retry.attempt(
+                f"downloading global outer step {metadata.outer_step}",
+                lambda: self.transport.download_global(metadata, dest),
                 self._stop,
             )
-        except TransportError as exc:
-            log.warning("downloading global outer step %d failed (%s)", metadata.outer_step, exc)
-            return None
-        tensors = self._load_global(path)
-        cached = sorted(directory.glob("outer_*.safetensors"))
-        for old in cached[:-KEEP_CACHED_GLOBALS]:
-            with contextlib.suppress(FileNotFoundError):
-                old.unlink()
-        return tensors
+            return done
 
-    def _load_global(self, path: Path) -> TensorDict | None:
-        try:
-            tensors, _ = load_tensors(path)
-        except TensorFileError as exc:
-            log.warning("global weights unusable: %s", exc)
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-            return None
-        return tensors
+        return self._globals.get(metadata, download)
 
     def _install_ready(self) -> bool:
         with self._lock:

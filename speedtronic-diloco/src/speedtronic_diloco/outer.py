@@ -16,7 +16,6 @@ store's on restart and republishes instead of aggregating the same deltas again.
 from __future__ import annotations
 
 import contextlib
-import enum
 import json
 import logging
 import threading
@@ -28,7 +27,6 @@ from typing import Any
 
 import torch
 
-from speedtronic.errors import TransportError
 from speedtronic_diloco.retry import RetryPolicy
 from speedtronic_diloco.tensors import (
     StateMismatchError,
@@ -40,7 +38,7 @@ from speedtronic_diloco.tensors import (
     load_tensors,
     save_tensors,
 )
-from speedtronic_diloco.transport import DeltaInfo, GlobalMetadata, Transport
+from speedtronic_diloco.transports.base import DeltaInfo, GlobalMetadata, Transport
 
 log = logging.getLogger("speedtronic.diloco.outer")
 
@@ -48,28 +46,6 @@ STATE_FILE = "outer_state.safetensors"
 STATE_FORMAT = "1"
 Ledger = dict[tuple[str, int], "str | None"]
 Emit = Callable[[str, dict[str, Any]], None]
-
-
-class StartupChoice(enum.Enum):
-    """Which global state a starting master continues from."""
-
-    LOCAL = "local"  # the master's own persisted outer state
-    REMOTE = "remote"  # the store's newer global; momentum resets
-    REMOTE_INITIAL = "remote_initial"  # both at outer step 0: install the store's weights
-    BOOTSTRAP = "bootstrap"  # nothing anywhere: the current model becomes outer step 0
-
-
-def select_startup_state(
-    has_local: bool, local_step: int, remote: GlobalMetadata | None
-) -> StartupChoice:
-    """The startup-selection table: L = ``local_step``, R = ``remote.outer_step``."""
-    if remote is not None and remote.outer_step > local_step:
-        return StartupChoice.REMOTE
-    if remote is not None and remote.outer_step == 0 and local_step == 0:
-        return StartupChoice.REMOTE_INITIAL
-    if has_local:
-        return StartupChoice.LOCAL
-    return StartupChoice.BOOTSTRAP
 
 
 def nesterov_step(
@@ -288,20 +264,17 @@ class MasterOuterLoop:
                     deltas_included=deltas_included,
                     processed=ledger,
                 )
-                published = self.retry.call(
-                    "publish global", lambda: self.transport.publish_global(path, meta), self._stop
+                done, published = self.retry.attempt(
+                    f"publishing outer step {step} to {self.transport.description}",
+                    lambda: self.transport.publish_global(path, meta),
+                    self._stop,
+                    then="will retry next round",
                 )
-            except TransportError as exc:
-                log.warning(
-                    "publishing outer step %d to %s failed (%s); will retry next round",
-                    step,
-                    self.transport.description,
-                    exc,
-                )
-                return None
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
+        if not done:
+            return None
         with self._lock:
             self.published_step = max(self.published_step, step)
         with contextlib.suppress(OSError):
@@ -327,10 +300,12 @@ class MasterOuterLoop:
             if self.global_state is None:
                 return None
             reference = self.global_state
-        try:
-            listing = self.retry.call("list deltas", self.transport.list_deltas, self._stop)
-        except TransportError as exc:
-            log.warning("listing deltas on %s failed (%s)", self.transport.description, exc)
+        _, listing = self.retry.attempt(
+            f"listing deltas on {self.transport.description}",
+            self.transport.list_deltas,
+            self._stop,
+        )
+        if listing is None:  # failed (logged)
             return None
         with self._lock:
             new = [info for info in listing if _is_new(info, self.processed)]
@@ -397,14 +372,13 @@ class MasterOuterLoop:
 
     def _fetch_delta(self, info: DeltaInfo, reference: TensorDict) -> Any:
         dest = self.cache_dir / "deltas" / info.node_id / f"delta_{info.local_step}.safetensors"
-        try:
-            self.retry.call(
-                f"download {info.path}",
-                lambda: self.transport.download_delta(info, dest),
-                self._stop,
-            )
-        except TransportError as exc:
-            log.warning("downloading %s failed (%s); trying again next round", info.path, exc)
+        done, _ = self.retry.attempt(
+            f"downloading {info.path}",
+            lambda: self.transport.download_delta(info, dest),
+            self._stop,
+            then="trying again next round",
+        )
+        if not done:
             return None
         try:
             tensors, _ = load_tensors(dest)

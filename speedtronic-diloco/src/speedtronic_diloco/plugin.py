@@ -1,33 +1,46 @@
 """Hook implementations wiring DumbDiLoCo into the Speedtronic trainer.
 
 - ``config_sections``: the ``distributed`` section;
-- ``data_seed``: each node draws its own samples (the seed is derived from the node id);
+- ``data_seed``: a per-node seed for the synthetic token stream (derived from the node id);
 - ``on_load_checkpoint`` (runs before train start): the coordinator state is kept aside and
   handed to the coordinator as its prepared startup state;
 - ``on_train_start`` / ``on_train_end``: coordinator start and bounded stop;
 - ``after_optimizer_step``: boundaries, uploads, polls; True when weights were replaced;
 - ``on_checkpoint``: coordinator state under the ``diloco`` key.
+
+Everything the plugin knows about a run lives in that run: ``trainer.plugin_state["diloco"]``
+holds a :class:`DiLoCoRun` (its coordinator, and checkpointed state that arrived before train
+start), which the trainer drops after ``on_train_end``. Two trainers in one process therefore
+never share a coordinator, and the coordinator's metric events go out through its own trainer
+(``trainer.emit``), to that run's sinks and ``on_metric`` hooks only.
 """
 
 from __future__ import annotations
 
 import logging
-import weakref
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from speedtronic import hookimpl
-from speedtronic_diloco.config import DistributedConfig
+from speedtronic_diloco.config import DistributedConfig, resolve_state_dir
 from speedtronic_diloco.identity import node_data_seed, resolve_node_id
+
+if TYPE_CHECKING:  # the coordinator (torch) loads only when a DiLoCo run starts
+    from speedtronic_diloco.coordinator import DumbDiLoCoCoordinator
 
 log = logging.getLogger("speedtronic.diloco")
 
 STATE_KEY = "diloco"
+"""The key of this plugin in checkpoints (``plugins.diloco``) and in ``trainer.plugin_state``."""
 
-# Per trainer (a process may build several): its coordinator and checkpointed state that
-# arrived before train start.
-_coordinators: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-_pending_state: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+@dataclass
+class DiLoCoRun:
+    """What the plugin keeps about one run in ``trainer.plugin_state["diloco"]``."""
+
+    coordinator: DumbDiLoCoCoordinator | None = None  # built at train start
+    checkpointed: dict[str, Any] | None = None  # coordinator state restored before the start
 
 
 def _section(config: Any) -> DistributedConfig | None:
@@ -37,15 +50,28 @@ def _section(config: Any) -> DistributedConfig | None:
     return None
 
 
+def run_of(trainer: Any) -> DiLoCoRun | None:
+    """This plugin's state for the run ``trainer`` is doing, or None outside a DiLoCo run."""
+    return trainer.plugin_state.get(STATE_KEY)
+
+
+def _run_for(trainer: Any) -> DiLoCoRun:
+    run = run_of(trainer)
+    if run is None:
+        run = trainer.plugin_state[STATE_KEY] = DiLoCoRun()
+    return run
+
+
+def coordinator_of(trainer: Any) -> DumbDiLoCoCoordinator | None:
+    """The coordinator of the run ``trainer`` is doing, or None (before train start, after
+    train end, or without DumbDiLoCo)."""
+    run = run_of(trainer)
+    return run.coordinator if run is not None else None
+
+
 def state_dir_for(config: Any, section: DistributedConfig) -> Path:
     """``distributed.state_dir`` resolved under ``run.output_dir`` (default ``diloco``)."""
-    configured = Path(section.state_dir or "diloco")
-    return configured if configured.is_absolute() else Path(config.run.output_dir) / configured
-
-
-def coordinator_of(trainer: Any) -> Any:
-    """The coordinator attached to ``trainer``, or None."""
-    return _coordinators.get(trainer)
+    return resolve_state_dir(section, config.run.output_dir)
 
 
 @hookimpl
@@ -56,7 +82,8 @@ def config_sections() -> dict[str, type]:
 
 @hookimpl
 def data_seed(config: Any, seed: int) -> int | None:
-    """A per-node data seed when DumbDiLoCo is on, so nodes do not train on the same samples."""
+    """A per-node data seed when DumbDiLoCo is on. Only the synthetic token stream draws its
+    samples from this seed; ``data.text_path`` and user datasets are not split by node."""
     section = _section(config)
     if section is None:
         return None
@@ -65,45 +92,45 @@ def data_seed(config: Any, seed: int) -> int | None:
 
 @hookimpl
 def on_load_checkpoint(trainer: Any, state: dict[str, Any]) -> None:
-    """Keep the checkpointed coordinator state for :func:`on_train_start`."""
+    """Keep the checkpointed coordinator state for :func:`on_train_start` (or hand it to the
+    run's coordinator if it already exists)."""
     saved = state.get(STATE_KEY)
     if saved is None or _section(trainer.config) is None:
         return
-    coordinator = _coordinators.get(trainer)
-    if coordinator is not None and not coordinator.started:
-        coordinator.load_state_dict(saved)
+    run = _run_for(trainer)
+    if run.coordinator is not None:
+        run.coordinator.load_state_dict(saved)
     else:
-        _pending_state[trainer] = saved
+        run.checkpointed = saved
 
 
 @hookimpl
 def on_train_start(trainer: Any) -> None:
-    """Build (once per trainer) and start the coordinator."""
+    """Build this run's coordinator, give it the checkpointed state, and start it."""
     section = _section(trainer.config)
     if section is None:
         return
     from speedtronic_diloco.coordinator import DumbDiLoCoCoordinator
 
-    coordinator = _coordinators.get(trainer)
-    if coordinator is None:
-        coordinator = DumbDiLoCoCoordinator(
+    run = _run_for(trainer)
+    if run.coordinator is None:
+        run.coordinator = DumbDiLoCoCoordinator(
             section,
             trainer.model,
             state_dir=state_dir_for(trainer.config, section),
             logger=trainer,
         )
-        _coordinators[trainer] = coordinator
-    pending = _pending_state.pop(trainer, None)
-    if pending is not None:
-        coordinator.load_state_dict(pending)
+    if run.checkpointed is not None:
+        run.coordinator.load_state_dict(run.checkpointed)
+        run.checkpointed = None
     trainer.reset_optimizer_on_weight_replace = section.reset_inner_optimizer
-    coordinator.start()
+    run.coordinator.start()
 
 
 @hookimpl
 def after_optimizer_step(trainer: Any, model: Any, step: int) -> bool | None:
     """Forward the step to the coordinator; True when a delta was pushed or a global loaded."""
-    coordinator = _coordinators.get(trainer)
+    coordinator = coordinator_of(trainer)
     if coordinator is None or not coordinator.started:
         return None
     return coordinator.after_optimizer_step(model, step)
@@ -112,15 +139,15 @@ def after_optimizer_step(trainer: Any, model: Any, step: int) -> bool | None:
 @hookimpl
 def on_checkpoint(trainer: Any, state: dict[str, Any]) -> None:
     """Save the coordinator state under ``diloco``."""
-    coordinator = _coordinators.get(trainer)
+    coordinator = coordinator_of(trainer)
     if coordinator is not None:
         state[STATE_KEY] = coordinator.state_dict()
 
 
 @hookimpl
 def on_train_end(trainer: Any, error: BaseException | None) -> None:
-    """Stop the coordinator (bounded; never raises)."""
-    coordinator = _coordinators.get(trainer)
+    """Stop the coordinator (bounded; never raises). The trainer drops the run's state next."""
+    coordinator = coordinator_of(trainer)
     if coordinator is None:
         return
     try:

@@ -1,5 +1,10 @@
 """The retry policy for store calls: transient failures back off and retry, permanent ones
-fail at once, and a stop request cuts every wait short."""
+fail at once, and a stop request cuts every wait short.
+
+:meth:`RetryPolicy.call` raises what is left after the retries; :meth:`RetryPolicy.attempt` is
+the form the coordinator and the outer loop use: a failure is logged as one warning and
+reported as ``(False, None)``, because a store failure never stops training.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from speedtronic_diloco.transport import TransientTransportError
+from speedtronic.errors import TransportError
+from speedtronic_diloco.transports.base import TransientTransportError
 
 log = logging.getLogger("speedtronic.diloco")
 
@@ -53,3 +59,23 @@ class RetryPolicy:
                 )
                 if stop.wait(delay):
                     raise
+
+    def attempt(
+        self,
+        what: str,
+        fn: Callable[[], T],
+        stop: threading.Event | None = None,
+        *,
+        then: str = "",
+        on_failure: Callable[[TransportError], None] | None = None,
+    ) -> tuple[bool, T | None]:
+        """:meth:`call`, for callers that carry on without the result: ``(True, result)``, or
+        ``(False, None)`` after logging ``"<what> failed (<error>); <then>"`` as a warning and
+        calling ``on_failure(error)``. Only TransportError is caught."""
+        try:
+            return True, self.call(what, fn, stop)
+        except TransportError as exc:
+            log.warning("%s failed (%s)%s", what, exc, f"; {then}" if then else "")
+            if on_failure is not None:
+                on_failure(exc)
+            return False, None

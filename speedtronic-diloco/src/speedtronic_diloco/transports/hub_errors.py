@@ -28,12 +28,12 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
-from speedtronic_diloco.hub_session import HubRequestFailed, http, safe_url
-from speedtronic_diloco.transport import (
+from speedtronic_diloco.transports.base import (
     PermanentTransportError,
     TransientTransportError,
     TransportError,
 )
+from speedtronic_diloco.transports.hub_session import HubRequestFailed, http, safe_url
 
 __all__ = ["classify", "redact", "retry_after"]
 

@@ -14,7 +14,7 @@ exactly like the default one except inside :func:`hub_call`:
 * a timeout, a connection error or a retryable status (408, 409 "conflicting operation", 429,
   5xx) raises :class:`HubRequestFailed`. That exception is none of the types the library's
   internal backoff catches, so it reaches the transport at once, which classifies it as a
-  :class:`~speedtronic_diloco.transport.TransientTransportError`.
+  :class:`~speedtronic_diloco.transports.base.TransientTransportError`.
 
 Outside :func:`hub_call` (other code in the process using ``huggingface_hub``, the library's
 LFS upload threads) the client keeps the library's behaviour, except that its default timeout

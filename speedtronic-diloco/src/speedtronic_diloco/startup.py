@@ -1,0 +1,129 @@
+"""How a master starts: provision the store, load its outer state, and choose where the run
+continues from (the startup-selection table of ``docs/diloco.md``).
+
+The coordinator calls :func:`prepare_master` from :meth:`DumbDiLoCoCoordinator.start
+<speedtronic_diloco.coordinator.DumbDiLoCoCoordinator.start>`, then installs the chosen
+weights (unless a checkpoint already provided them) and starts the outer thread.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from speedtronic.errors import TransportError
+from speedtronic_diloco.config import DistributedConfig
+from speedtronic_diloco.outer import Emit, MasterOuterLoop
+from speedtronic_diloco.retry import RetryPolicy
+from speedtronic_diloco.tensors import TensorDict
+from speedtronic_diloco.transports.base import GlobalMetadata, Transport, UnsupportedOperation
+
+__all__ = ["StartupChoice", "prepare_master", "provision_store", "select_startup_state"]
+
+log = logging.getLogger("speedtronic.diloco")
+
+
+class StartupChoice(enum.Enum):
+    """Which global state a starting master continues from."""
+
+    LOCAL = "local"  # the master's own persisted outer state
+    REMOTE = "remote"  # the store's newer global; momentum resets
+    REMOTE_INITIAL = "remote_initial"  # both at outer step 0: install the store's weights
+    BOOTSTRAP = "bootstrap"  # nothing anywhere: the current model becomes outer step 0
+
+
+def select_startup_state(
+    has_local: bool, local_step: int, remote: GlobalMetadata | None
+) -> StartupChoice:
+    """The startup-selection table: L = ``local_step``, R = ``remote.outer_step``."""
+    if remote is not None and remote.outer_step > local_step:
+        return StartupChoice.REMOTE
+    if remote is not None and remote.outer_step == 0 and local_step == 0:
+        return StartupChoice.REMOTE_INITIAL
+    if has_local:
+        return StartupChoice.LOCAL
+    return StartupChoice.BOOTSTRAP
+
+
+def provision_store(transport: Transport, config: DistributedConfig) -> None:
+    """Create the store and grant ``collaborators`` write access; failures are warnings (a
+    store that cannot grant says how to do it by hand)."""
+    try:
+        transport.create_store(private=config.private)
+    except TransportError as exc:
+        log.warning(
+            "creating store %s failed (%s); training continues locally", transport.description, exc
+        )
+    if not config.collaborators:
+        return
+    try:
+        transport.grant_write_access(list(config.collaborators))
+    except UnsupportedOperation as exc:
+        log.info("%s; grant write access to %s by hand", exc, config.collaborators)
+    except TransportError as exc:
+        log.warning("granting write access failed (%s); training continues", exc)
+
+
+def prepare_master(
+    transport: Transport,
+    config: DistributedConfig,
+    *,
+    node_id: str,
+    state_dir: Path,
+    cache_dir: Path,
+    retry: RetryPolicy,
+    stop: threading.Event,
+    emit: Emit,
+    fetch_global: Callable[[GlobalMetadata], TensorDict | None],
+    current_weights: Callable[[], TensorDict],
+    checkpointed: dict[str, Any] | None = None,
+) -> MasterOuterLoop:
+    """Provision the store and build the outer loop at the state the run continues from; the
+    loop is returned unstarted.
+
+    ``checkpointed`` is the outer state of a trainer checkpoint (used when it is ahead of the
+    state directory); ``fetch_global`` downloads (through the cache) the store's weights;
+    ``current_weights`` snapshots the model for a bootstrap.
+    """
+    provision_store(transport, config)
+    outer = MasterOuterLoop(
+        transport,
+        node_id=node_id,
+        state_dir=state_dir,
+        cache_dir=cache_dir,
+        outer_lr=config.outer_lr,
+        outer_momentum=config.outer_momentum,
+        retry=retry,
+        emit=emit,
+    )
+    if checkpointed is not None and outer.load_state_dict(checkpointed):
+        log.info("master: outer state from the checkpoint (outer step %d)", outer.outer_step)
+    _, remote = retry.attempt(
+        f"reading global metadata from {transport.description}",
+        transport.read_global_metadata,
+        stop,
+        then="using local state",
+    )
+    choice = select_startup_state(outer.has_local_state, outer.outer_step, remote)
+    store_step: int | None = None
+    if choice in (StartupChoice.REMOTE, StartupChoice.REMOTE_INITIAL):
+        assert remote is not None
+        tensors = fetch_global(remote)
+        if tensors is not None:
+            outer.adopt(remote.outer_step, tensors, remote.processed)
+        else:
+            # Train on, but number the next outer step after the store's version.
+            choice = StartupChoice.LOCAL if outer.has_local_state else StartupChoice.BOOTSTRAP
+            store_step = remote.outer_step
+    if choice is StartupChoice.BOOTSTRAP:
+        outer.bootstrap(current_weights())
+    if store_step is not None:
+        outer.continue_after(store_step)
+    elif choice is StartupChoice.LOCAL and (remote is None or remote.outer_step < outer.outer_step):
+        outer.mark_unpublished()
+    log.info("master startup: %s state at outer step %d", choice.value, outer.outer_step)
+    return outer

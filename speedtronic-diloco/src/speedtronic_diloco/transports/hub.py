@@ -1,0 +1,459 @@
+"""A DumbDiLoCo store in a Hugging Face Hub repository: the Hub repo is the parameter server.
+
+The layout is the one of :mod:`speedtronic_diloco.transports.base`. What the Hub adds:
+
+* **Atomic, checked publication.** The weights and ``global/step_count.json`` (hashes and the
+  processed-delta ledger included) go in ONE commit, so a reader never sees new metadata with
+  other weights. The commit names as ``parent_commit`` the head at which the current metadata
+  was just read; if anything was committed in between, the Hub refuses it with HTTP 412. The
+  transport then reads again: when only workers' deltas moved the branch it commits again on
+  the new head; when another master published this outer step or a newer one it raises
+  :class:`PublishConflictError` instead of overwriting that work.
+* **Pinned, verified downloads.** Metadata is read together with the commit it was read at
+  (``X-Repo-Commit``); the weights are downloaded at that commit and checked against the
+  metadata's size and sha256 (the client itself only checks sizes). Downloads stream straight
+  to the caller's file, bypassing the client's cache, which can serve stale or tampered bytes.
+* **Listing without downloads.** New deltas are found from one recursive tree listing of
+  ``nodes/`` (names, sizes, content ids); a delta download is checked against that content id.
+* **Bounded requests.** Every call runs inside
+  :func:`~speedtronic_diloco.transports.hub_session.hub_call`: each request has
+  ``request_timeout`` and the client's hidden retries are cut short, so the DiLoCo retry policy
+  is the only one. Failures become transport errors
+  (:mod:`speedtronic_diloco.transports.hub_errors`), with the token redacted from every message.
+* **Explicit endpoint and token.** ``huggingface_hub`` reads ``HF_ENDPOINT`` once, at import;
+  here the endpoint comes from the config or from ``HF_ENDPOINT`` when the transport is built.
+  The token comes from the config or, when unset, from the client's own lookup (``HF_TOKEN``,
+  ``hf auth login``) at each request. It is never logged or stored.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from huggingface_hub import CommitOperationAdd, HfApi, get_token, hf_hub_url
+from huggingface_hub.errors import (
+    HfHubHTTPError,
+    RemoteEntryNotFoundError,
+    RevisionNotFoundError,
+)
+from huggingface_hub.hf_api import RepoFile
+from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+from speedtronic_diloco import __version__
+from speedtronic_diloco.identity import validate_node_id
+from speedtronic_diloco.transports.base import (
+    GLOBAL_METADATA,
+    GLOBAL_WEIGHTS,
+    DeltaInfo,
+    GlobalMetadata,
+    IntegrityError,
+    PermanentTransportError,
+    TransientTransportError,
+    Transport,
+    UnsupportedOperation,
+    delta_path,
+    is_global_file,
+    parse_delta_path,
+    write_verified,
+)
+from speedtronic_diloco.transports.hub_errors import classify, redact
+from speedtronic_diloco.transports.hub_session import hub_call
+
+if TYPE_CHECKING:
+    from speedtronic_diloco.config import DistributedConfig
+
+__all__ = ["DEFAULT_ENDPOINT", "HubTransport", "PublishConflictError", "resolve_endpoint"]
+
+log = logging.getLogger("speedtronic.diloco.hub")
+
+DEFAULT_ENDPOINT = "https://huggingface.co"
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_GIT_OID = re.compile(r"^[0-9a-f]{40}$")
+_METADATA_LIMIT = 16 << 20  # a step_count.json beyond this is not ours
+_HEAD_RACES = 5  # commits again at most this often when deltas keep moving the branch
+_CHUNK = 1 << 20
+_LIBRARY = {"library_name": "speedtronic-diloco", "library_version": __version__}
+T = TypeVar("T")
+
+
+class PublishConflictError(PermanentTransportError):
+    """Another master already published the same or a newer outer step; this publication was
+    refused rather than overwriting it (the Hub's HTTP 412 path)."""
+
+
+def resolve_endpoint(endpoint: str | None = None) -> str:
+    """The Hub base URL: ``endpoint``, else ``$HF_ENDPOINT`` read now (not the value the client
+    froze at import), else ``https://huggingface.co``."""
+    url = (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).strip().rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise PermanentTransportError(f"Hub endpoint {url!r} is not an http(s) URL")
+    return url
+
+
+def _repo_commit(response: Any) -> str | None:
+    """The commit a resolve response was served from (first ``X-Repo-Commit`` seen, redirects
+    included: the Hub sets it on the redirect to the CDN, not on the CDN's reply)."""
+    for step in (*response.history, response):
+        commit = step.headers.get("X-Repo-Commit")
+        if commit:
+            return str(commit)
+    return None
+
+
+def _mentions(error: BaseException | None, secret: str | None) -> bool:
+    """Whether ``secret`` appears in ``error`` or any exception chained to it."""
+    seen: set[int] = set()
+    while secret and error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if secret in str(error) or secret in repr(error.args):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+class HubTransport(Transport):
+    """The DiLoCo store in the Hub model repository ``repo_id`` (``<user or org>/<name>``).
+
+    Thread-safe: requests share the client's connection pool, publications are serialized.
+    """
+
+    def __init__(
+        self,
+        repo_id: str,
+        *,
+        token: str | None = None,
+        endpoint: str | None = None,
+        request_timeout: float = 60.0,
+    ) -> None:
+        if not _REPO_ID.match(repo_id or ""):
+            raise PermanentTransportError(
+                f"distributed.repo_id {repo_id!r} is not a Hub repository id of the form "
+                "'<user or org>/<name>' (use a file:// URL or an absolute path for a shared "
+                "directory)"
+            )
+        if request_timeout <= 0:
+            raise PermanentTransportError("distributed.request_timeout must be > 0")
+        self.repo_id = repo_id
+        self.endpoint = resolve_endpoint(endpoint)
+        self.request_timeout = float(request_timeout)
+        self._token = token or None
+        self._api = HfApi(endpoint=self.endpoint, token=self._token, **_LIBRARY)
+        where = "" if self.endpoint == DEFAULT_ENDPOINT else f" on {self.endpoint}"
+        self.description = f"hf://{repo_id}{where}"
+        self._publish_lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, config: DistributedConfig | Any) -> HubTransport:
+        """Build from a DistributedConfig (or anything ``distributed_config`` accepts)."""
+        from speedtronic_diloco.config import distributed_config
+
+        section = distributed_config(config)
+        return cls(
+            section.repo_id or "",
+            token=section.token,
+            endpoint=section.endpoint,
+            request_timeout=section.request_timeout,
+        )
+
+    def __repr__(self) -> str:
+        return f"HubTransport({self.repo_id!r}, endpoint={self.endpoint!r})"
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` with bounded requests; translate client failures (token redacted)."""
+        try:
+            with hub_call(self.request_timeout):
+                return fn()
+        except Exception as exc:
+            error = classify(exc, f"{self.description}: {what}")
+            if error is None:  # a programming error: keep it as it is
+                raise
+            secret = self._secret()
+            cause = exc.__cause__ if error is exc else exc
+            # A server echoing the token must not leak it through the chained exception either.
+            leaked = _mentions(error, secret) or _mentions(cause, secret)
+            if error is exc and not leaked:
+                raise
+            clean = type(error)(redact(str(error), secret))
+            clean.__dict__.update(error.__dict__)  # retry_after and the like
+            raise clean from (None if leaked else cause)
+
+    def _secret(self) -> str | None:
+        """The token in use, only ever to redact it from messages."""
+        try:
+            return self._token or get_token()
+        except Exception:  # a broken token file must not hide the real error
+            return self._token
+
+    def _headers(self) -> dict[str, str]:
+        return build_hf_headers(token=self._token, **_LIBRARY)
+
+    def _get_bytes(self, path: str, revision: str) -> tuple[str | None, bytes | None]:
+        """``(commit, content)`` of a small file at ``revision``; content None when the file
+        does not exist there (the repository itself missing still raises)."""
+        url = hf_hub_url(self.repo_id, path, revision=revision, endpoint=self.endpoint)
+        with get_session().stream("GET", url, headers=self._headers()) as response:
+            commit = _repo_commit(response)
+            try:
+                hf_raise_for_status(response)
+            except RemoteEntryNotFoundError:
+                return commit, None
+            data = bytearray()
+            for chunk in response.iter_bytes(_CHUNK):
+                data += chunk
+                if len(data) > _METADATA_LIMIT:
+                    raise PermanentTransportError(f"{path} is larger than {_METADATA_LIMIT} bytes")
+            return commit, bytes(data)
+
+    def _download(
+        self,
+        path: str,
+        revision: str,
+        dest: Path,
+        *,
+        size: int | None,
+        sha256: str | None = None,
+        git_oid: str | None = None,
+    ) -> Path:
+        """Stream ``path`` at ``revision`` into ``dest`` (temp file + rename), checking size,
+        sha256 and git blob id where given; IntegrityError (and no ``dest``) on mismatch."""
+        url = hf_hub_url(self.repo_id, path, revision=revision, endpoint=self.endpoint)
+        where = f"{path}@{revision[:12]}"
+        with get_session().stream("GET", url, headers=self._headers()) as response:
+            hf_raise_for_status(response)
+            announced = response.headers.get("Content-Length")
+            plain = response.headers.get("Content-Encoding") in (None, "identity")
+            if size is not None and announced and plain and int(announced) != size:
+                Path(dest).unlink(missing_ok=True)
+                raise IntegrityError(
+                    f"{where}: the Hub announces {announced} bytes, expected {size}"
+                )
+            return write_verified(
+                response.iter_bytes(_CHUNK),
+                dest,
+                where=where,
+                size=size,
+                sha256=sha256,
+                git_oid=git_oid,
+            )
+
+    # -- the Transport interface -----------------------------------------------------------
+
+    def create_store(self, *, private: bool = True) -> None:
+        """Create the repository (private by default; an existing one is left as it is), then
+        warn loudly if it is public although ``private`` was asked for."""
+        self._call(
+            "create repository",
+            lambda: self._api.create_repo(self.repo_id, private=private, exist_ok=True),
+        )
+        info = self._call(
+            "check repository visibility",
+            lambda: self._api.model_info(self.repo_id, timeout=self.request_timeout),
+        )
+        if private and info.private is False:
+            log.warning(
+                "%s is PUBLIC: anyone can download the global weights and every node's deltas. "
+                "It existed before this run, so it was not created private. Make it private "
+                "(repository Settings > Change visibility) or use a new repo_id.",
+                self.description,
+            )
+
+    def grant_write_access(self, users: Sequence[str]) -> None:
+        """Not possible through the client: raises :class:`UnsupportedOperation` whose message
+        says how to grant access by hand (nothing to do for an empty list)."""
+        if not users:
+            return
+        owner = self.repo_id.split("/", 1)[0]
+        raise UnsupportedOperation(
+            f"{self.description}: huggingface_hub has no API to add collaborators, so "
+            f"{', '.join(users)} did not get write access automatically. Either keep the "
+            f"repository in an organization and give each worker's account the 'write' role "
+            f"(https://huggingface.co/organizations/{owner}/settings/members), or give each "
+            f"worker a fine-grained token with write access to {self.repo_id}. See docs/hub.md."
+        )
+
+    def _head_metadata(self) -> tuple[str, bytes | None]:
+        """``(head commit, step_count.json at that commit or None)``, consistent with each
+        other: one GET of the branch head normally (the reply names its commit); if a proxy
+        dropped that header, the head is looked up first and the file read pinned to it."""
+        commit, raw = self._get_bytes(GLOBAL_METADATA, "main")
+        if commit is not None:
+            return commit, raw
+        head = self._api.model_info(self.repo_id, revision="main", timeout=self.request_timeout)
+        if not head.sha:
+            raise TransientTransportError(f"{self.description}: the Hub named no head commit")
+        return head.sha, self._get_bytes(GLOBAL_METADATA, head.sha)[1]
+
+    def read_global_metadata(self) -> GlobalMetadata | None:
+        """``global/step_count.json`` of the branch head, pinned to that head's commit."""
+        commit, raw = self._call("read global metadata", self._head_metadata)
+        return None if raw is None else GlobalMetadata.loads(raw, revision=commit)
+
+    def download_global(self, metadata: GlobalMetadata, dest: Path) -> Path:
+        """Download ``metadata.model_file`` at ``metadata.revision`` into ``dest``, verified."""
+        if not is_global_file(metadata.model_file):
+            raise PermanentTransportError(f"model_file {metadata.model_file!r} is not global/*")
+        revision = metadata.revision or "main"
+
+        def fetch() -> Path:
+            try:
+                return self._download(
+                    metadata.model_file,
+                    revision,
+                    Path(dest),
+                    size=metadata.size,
+                    sha256=metadata.sha256,
+                )
+            except RevisionNotFoundError as exc:  # history rewritten: the metadata is stale
+                raise IntegrityError(
+                    f"{self.description}: commit {revision[:12]} no longer exists; "
+                    "re-read the metadata"
+                ) from exc
+
+        return self._call(f"download {metadata.model_file}@{revision[:12]}", fetch)
+
+    def publish_global(self, weights: Path, metadata: GlobalMetadata) -> GlobalMetadata:
+        """One commit with the weights and their metadata, on the head the current metadata
+        was read at (see the module doc). Returns the metadata with the new commit."""
+        published = metadata.with_revision(None, model_file=GLOBAL_WEIGHTS)
+        with self._publish_lock:
+            return self._call(
+                f"publish outer step {published.outer_step}",
+                lambda: self._publish(Path(weights), published),
+            )
+
+    def _publish(self, weights: Path, published: GlobalMetadata) -> GlobalMetadata:
+        payload = published.dumps()
+        weights_op = CommitOperationAdd(GLOBAL_WEIGHTS, str(weights))  # hashes the file once
+        if (weights_op.upload_info.sha256.hex(), weights_op.upload_info.size) != (
+            published.sha256,
+            published.size,
+        ):
+            raise PermanentTransportError(
+                f"{weights} does not match the sha256/size of the metadata being published"
+            )
+        raced = False
+        for _ in range(_HEAD_RACES):
+            head, current = self._head_metadata()
+            if current == payload:  # an earlier attempt landed and only its reply was lost
+                log.info(
+                    "%s: outer step %d was already published at %s",
+                    self.description,
+                    published.outer_step,
+                    head[:12],
+                )
+                return published.with_revision(head)
+            if current is not None:
+                self._refuse_if_not_newer(current, head, published, raced)
+            operations = [weights_op, CommitOperationAdd(GLOBAL_METADATA, payload)]
+            try:
+                info = self._api.create_commit(
+                    self.repo_id,
+                    operations,
+                    commit_message=f"DumbDiLoCo: global weights, outer step {published.outer_step}",
+                    parent_commit=head,
+                )
+            except HfHubHTTPError as exc:
+                if exc.response is None or exc.response.status_code != 412:
+                    raise
+                raced = True
+                log.info(
+                    "%s: the branch moved while publishing (HTTP 412); reading it again",
+                    self.description,
+                )
+                continue
+            return published.with_revision(info.oid)
+        raise TransientTransportError(
+            f"{self.description}: the branch moved {_HEAD_RACES} times while publishing outer "
+            f"step {published.outer_step} (many concurrent uploads); try again"
+        )
+
+    def _refuse_if_not_newer(
+        self, current: bytes, head: str, published: GlobalMetadata, raced: bool
+    ) -> None:
+        """Raise PublishConflictError when the branch already holds this outer step or a newer
+        one (published by another master: ours would have matched the payload)."""
+        try:
+            remote = GlobalMetadata.loads(current, revision=head)
+        except PermanentTransportError as exc:
+            log.warning(
+                "%s: the published metadata is malformed (%s); replacing it", self.description, exc
+            )
+            return
+        if remote.outer_step < published.outer_step:
+            return
+        how = " (the Hub refused our commit with HTTP 412: it raced with it)" if raced else ""
+        raise PublishConflictError(
+            f"{self.description}: master {remote.master or '?'!r} already published outer step "
+            f"{remote.outer_step} at commit {head[:12]}; refusing to publish outer step "
+            f"{published.outer_step} over it{how}. Run exactly one master per repository; a "
+            "restarted master adopts the newer global."
+        )
+
+    def upload_delta(self, node_id: str, local_step: int, source: Path) -> None:
+        """One commit adding ``nodes/<node_id>/delta_<local_step>.safetensors`` (a commit is
+        atomic: readers never see a partial file; re-uploading the same bytes is a no-op)."""
+        validate_node_id(node_id)
+        path = delta_path(node_id, local_step)
+
+        def upload() -> None:
+            operation = CommitOperationAdd(path, str(source))
+            self._api.create_commit(
+                self.repo_id,
+                [operation],
+                commit_message=f"DumbDiLoCo: delta of {node_id} at local step {local_step}",
+            )
+
+        self._call(f"upload {path}", upload)
+
+    def list_deltas(self) -> list[DeltaInfo]:
+        """Every delta under ``nodes/`` from one recursive tree listing (no downloads); the
+        etag is the LFS sha256 when the file is in LFS, else its git blob id."""
+
+        def listing() -> list[Any]:
+            try:
+                return list(
+                    self._api.list_repo_tree(
+                        self.repo_id, path_in_repo="nodes", recursive=True, revision="main"
+                    )
+                )
+            except RemoteEntryNotFoundError:  # no node has uploaded yet
+                return []
+
+        found: list[DeltaInfo] = []
+        for entry in self._call("list deltas", listing):
+            if not isinstance(entry, RepoFile):
+                continue
+            parsed = parse_delta_path(entry.path)
+            if parsed is None:
+                continue
+            etag = entry.lfs.sha256 if entry.lfs is not None else entry.blob_id
+            found.append(DeltaInfo(parsed[0], parsed[1], entry.path, entry.size, etag))
+        return sorted(found, key=lambda info: info.key)
+
+    def download_delta(self, info: DeltaInfo, dest: Path) -> Path:
+        """Download the delta at the branch head into ``dest``, checked against the listing's
+        size and content id (a file replaced since the listing gives IntegrityError)."""
+        etag = (info.etag or "").lower()
+        return self._call(
+            f"download {info.path}",
+            lambda: self._download(
+                info.path,
+                "main",
+                Path(dest),
+                size=info.size,
+                sha256=etag if _SHA256.match(etag) else None,
+                git_oid=etag if _GIT_OID.match(etag) else None,
+            ),
+        )
+
+    def close(self) -> None:
+        """Nothing to release: connections belong to the client's shared pool."""
