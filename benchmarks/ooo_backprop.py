@@ -9,7 +9,9 @@ medians over rounds, of wall-clock time and of this process's CPU time. Both sid
 the same loss (on CPU exactly: the same products, only in another order of launch).
 
 On CPU the deferred products run in order on the same device (the option's fallback), so the
-expected ratio is about 1.0: the figure shows what the swap itself costs. On CUDA (``stream:
+expected ratio is about 1.0: the figure shows what the swap itself costs. A second measurement
+gives that cost per layer call directly: forward + backward + drain of a stack of tiny linears,
+whose own compute is next to nothing, with and without the swap. On CUDA (``stream:
 side``) the script also reports the peak memory of each side and a short ``torch.profiler``
 trace of the ooo side: the kernels per CUDA stream and how much of the side stream's kernel
 time overlapped kernels on the main stream.
@@ -127,6 +129,42 @@ def timed_run(config: SpeedtronicConfig) -> dict[str, Any]:
         "mode": trainer.ooo_backprop.mode if trainer.ooo_backprop is not None else None,
         "linears": len(trainer.ooo_backprop.modules) if trainer.ooo_backprop is not None else 0,
     }
+
+
+def fixed_cost(device: torch.device, layers: int = 16, reps: int = 300) -> dict[str, float]:
+    """Microseconds per ``nn.Linear`` call (forward + backward + drain) that the swap adds,
+    on a stack of 8x8 linears: medians over interleaved repetitions."""
+    import copy
+
+    from torch import nn
+
+    from speedtronic.ooo_backprop import OOOBackprop
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)]).to(device)
+    swapped = copy.deepcopy(plain)
+    queue = OOOBackprop(device, "side" if device.type == "cuda" else "same")
+    queue.install(swapped)
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+
+    def once(model: nn.Module) -> float:
+        model.zero_grad(set_to_none=True)
+        synchronize(device)
+        start = time.perf_counter()
+        model(x).sum().backward()
+        queue.drain()
+        synchronize(device)
+        return time.perf_counter() - start
+
+    for _ in range(20):
+        once(plain), once(swapped)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    with no_gc():
+        for index in range(reps):
+            for swap in (False, True) if index % 2 == 0 else (True, False):
+                times[swap].append(once(swapped if swap else plain))
+    base, ooo = statistics.median(times[False]), statistics.median(times[True])
+    return {"plain_us": base * 1e6, "ooo_us": ooo * 1e6, "per_call_us": (ooo - base) / layers * 1e6}
 
 
 # ---------------------------------------------------------------------------- profiler
@@ -288,6 +326,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     same = "identical" if losses[0] == losses[1] else f"differ by {abs(losses[0] - losses[1]):.2e}"
     print(f"  final loss: plain {losses[0]:.6f}, ooo {losses[1]:.6f} ({same})")
+    cost = fixed_cost(info["device"])
+    result["fixed_cost"] = cost
+    print(
+        f"  fixed cost: {cost['per_call_us']:+.1f} us per nn.Linear call (forward + backward + "
+        f"drain; 16 tiny linears: {cost['plain_us']:.0f} -> {cost['ooo_us']:.0f} us)"
+    )
     if info["device"].type == "cuda":
         result["plain_peak_mb"] = max(p["peak_mb"] for p, _ in rows)
         result["ooo_peak_mb"] = max(o["peak_mb"] for _, o in rows)

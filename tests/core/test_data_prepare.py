@@ -119,7 +119,7 @@ def test_inputs_of_every_kind_and_directories_in_sorted_order(tmp_path):
 
 def test_empty_documents_are_left_out_and_counted(tmp_path):
     source = write_jsonl(tmp_path / "c.jsonl", ["one", "", "two"])
-    result = prepare([source], tmp_path / "out", workers=1)
+    result = prepare([source], tmp_path / "out", workers=1, progress=True)  # the rich bar too
     assert result.empty == 1 and result.documents["train"] == 2
     assert tokens(tmp_path / "out").tolist() == byte_stream(["one", "two"])
 

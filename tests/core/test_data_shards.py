@@ -107,6 +107,20 @@ def test_the_window_permutation_is_a_bijection_for_any_size(size):
         assert not np.array_equal(permute_windows(np.arange(size), size, 0, 0), np.arange(size))
 
 
+def test_the_permutation_is_the_same_computed_per_sample_or_per_array_and_checks_its_input():
+    size = 5000
+    whole = permute_windows(np.arange(size), size, 3, 7)  # the vectorised path
+    pieces = [permute_windows(np.arange(i, i + 10), size, 3, 7) for i in range(0, size, 10)]
+    assert np.array_equal(np.concatenate(pieces), whole)  # the per-sample path (micro-batches)
+    mixed = permute_windows(np.array([5, 5, 5]), size, 3, np.array([7, 8, 7]))
+    assert mixed[0] == mixed[2] == whole[5] and mixed[1] != mixed[0]
+    # Shuffled, not shifted: no correlation with the position, neighbours land far apart.
+    assert abs(np.corrcoef(np.arange(size), whole)[0, 1]) < 0.1
+    assert np.mean(np.abs(np.diff(whole)) <= 2) < 0.01
+    with pytest.raises(ValueError, match=r"positions must lie in \[0, 5000\)"):
+        permute_windows(np.array([5000]), size, 0)
+
+
 def test_samples_do_not_depend_on_micro_batch_size_or_workers(corpus):
     small = take(
         build_dataloader(shard_config(corpus, micro_batch_size=2), seq_len=SEQ).iterate(0), 12
@@ -157,6 +171,14 @@ def test_a_process_opens_only_the_shards_it_reads(corpus):
     assert len(shuffled.opened()) < len(shuffled.shards)
     copy = pickle.loads(pickle.dumps(shuffled))  # how a spawned worker receives it
     assert copy.opened() == [] and rows([copy.batch(0)]) == rows([shuffled.batch(0)])
+
+
+def test_a_process_keeps_a_bounded_number_of_shards_mapped(corpus):
+    bounded = stream(corpus, micro=16, seed=1)
+    bounded.max_open = 2
+    free = stream(corpus, micro=16, seed=1)
+    assert rows([bounded.batch(b) for b in range(5)]) == rows([free.batch(b) for b in range(5)])
+    assert len(bounded.opened()) == 2 < len(free.opened())
 
 
 def test_dataloader_workers_open_only_the_shards_of_their_own_batches(corpus, tmp_path):

@@ -82,7 +82,7 @@ HOOKS = plugins.hook_names()
 
 def test_the_hook_list_is_complete() -> None:
     specs = [name for name, fn in vars(hookspecs).items() if hasattr(fn, "speedtronic_spec")]
-    assert specs == HOOKS and len(HOOKS) == 10
+    assert specs == HOOKS and len(HOOKS) == 12
 
 
 @pytest.mark.parametrize("name", HOOKS)
@@ -432,3 +432,88 @@ def test_hook_register_commands(register: Register, capsys: pytest.CaptureFixtur
     assert capsys.readouterr().err.splitlines()[-1] == "error: word: not a good word"
     assert cli.main(["--debug", "core-test-echo", "x"]) == 3  # --debug works before
     assert cli.main(["core-test-echo", "x", "--debug"]) == 3  # ... and after the command
+
+
+# ---------------------------------------------------------------- using a trained model
+
+
+def test_hook_export_model(register: Register, tmp_path: Path) -> None:
+    from speedtronic.errors import PluginError
+    from speedtronic.export import export_run
+
+    class Exports:
+        seen: list[dict[str, Any]] = []
+
+        @hookimpl
+        def export_model(
+            self, model: Any, config: Any, format: str, directory: Path, info: dict[str, Any]
+        ) -> str | None:
+            if format != "hf" or not isinstance(model, Bigram):
+                return None
+            self.seen.append({"directory": directory, "info": info, "config": config})
+            table = model.table.weight.tolist()
+            (directory / "bigram.json").write_text(json.dumps(table))
+            return "Bigram table"
+
+    class Abstains:
+        @hookimpl
+        def export_model(self) -> None:
+            return None
+
+    config = tiny_config(tmp_path / "run")
+    train_from_config(config, console=False)
+    with pytest.raises(PluginError, match="no plugin exports model 'core_hooks_tiny'"):
+        export_run(config, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and list(tmp_path.glob(".out.*")) == []
+
+    exporter = Exports()
+    register(exporter, "core-test-exports")
+    register(Abstains(), "core-test-abstains-export")  # asked first; None passes the turn on
+    result = export_run(config, tmp_path / "out")
+    assert result.description == "Bigram table" and result.dtype == "float32"
+    from speedtronic.inference import load_trained_model
+
+    expected = load_trained_model(config).model.table.weight.tolist()
+    assert json.loads((tmp_path / "out" / "bigram.json").read_text()) == expected
+    (seen,) = exporter.seen
+    # The exporter wrote into a staging folder that was renamed into place afterwards.
+    assert seen["directory"] != tmp_path / "out" and not seen["directory"].exists()
+    assert seen["config"] is config
+    assert seen["info"] == {
+        "dtype": "float32",
+        "eos_token_id": None,
+        "bos_token_id": None,
+        "tokenizer": "synthetic",
+    }
+    assert "step 4" in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_hook_load_global_state(register: Register, tmp_path: Path) -> None:
+    from speedtronic.errors import PluginError
+    from speedtronic.inference import load_trained_model
+
+    class Publishes:
+        asked: list[tuple[Any, Any]] = []
+
+        @hookimpl
+        def load_global_state(self, config: Any, model: Any) -> dict[str, Any]:
+            self.asked.append((config, model))
+            return {name: torch.full_like(t, 0.5) for name, t in model.state_dict().items()}
+
+    class Abstains:
+        @hookimpl
+        def load_global_state(self) -> None:
+            return None
+
+    config = tiny_config(tmp_path)
+    register(Abstains(), "core-test-abstains-global")
+    with pytest.raises(PluginError, match="--global: no plugin provides the global weights"):
+        load_trained_model(config, use_global=True)
+    publisher = Publishes()
+    register(publisher, "core-test-publishes")
+    register(Abstains(), "core-test-abstains-global-2")  # asked first; None passes the turn on
+    trained = load_trained_model(config, use_global=True)
+    assert torch.equal(trained.model.table.weight, torch.full((16, 16), 0.5))
+    assert trained.source == "the global weights" and not trained.model.training
+    (asked,) = publisher.asked
+    assert asked[0] is config and isinstance(asked[1], Bigram)

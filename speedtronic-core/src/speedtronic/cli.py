@@ -51,13 +51,46 @@ def _load_config(args: argparse.Namespace) -> SpeedtronicConfig:
 def cmd_train(args: argparse.Namespace) -> int:
     """``speedtronic train``: validate, build and run; print a one-line summary."""
     config = _load_config(args)  # before importing torch: a config error should be instant
+    if getattr(args, "nproc_per_node", None) and "WORLD_SIZE" not in os.environ:
+        return _launch_ranks(args.nproc_per_node, config, args.argv)
     from speedtronic.runtime import train_from_config
 
     result = train_from_config(config)
     loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "n/a"
     resumed = f" (resumed from step {result.resumed_from})" if result.resumed_from else ""
     steps = f"{result.steps} step{'' if result.steps == 1 else 's'}"
-    print(f"done: {steps}{resumed}, final loss {loss}, {result.elapsed_s:.1f}s")
+    if os.environ.get("RANK", "0") == "0":  # under DDP, rank 0 reports for the run
+        print(f"done: {steps}{resumed}, final loss {loss}, {result.elapsed_s:.1f}s")
+    return 0
+
+
+def _launch_ranks(nproc: int, config: SpeedtronicConfig, argv: Sequence[str]) -> int:
+    """Start ``nproc`` ranks of this same command through torch's elastic launcher (what
+    ``torchrun --standalone --nproc-per-node N -m speedtronic train ...`` does)."""
+    if nproc < 1:
+        raise SpeedtronicError(f"--nproc-per-node must be >= 1, got {nproc}")
+    if config.parallel.strategy == "none":
+        raise SpeedtronicError("--nproc-per-node needs parallel.strategy auto or ddp, not none")
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    passed: list[str] = []
+    skip = False
+    for arg in argv:  # the same command line, less --nproc-per-node
+        if skip:
+            skip = False
+            continue
+        if arg == "--nproc-per-node":
+            skip = True
+            continue
+        if arg.startswith("--nproc-per-node="):
+            continue
+        passed.append(arg)
+    try:
+        torchrun(["--standalone", "--nproc-per-node", str(nproc), "-m", "speedtronic", *passed])
+    except ChildFailedError as exc:
+        failures = ", ".join(f"rank {rank}: exit {f.exitcode}" for rank, f in exc.failures.items())
+        raise SpeedtronicError(f"a rank failed ({failures}); see its error above") from None
     return 0
 
 
@@ -127,6 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-steps", type=int, help="override run.max_steps")
     train.add_argument("--output-dir", help="override run.output_dir")
     train.add_argument("--resume", action="store_true", help="resume from the newest checkpoint")
+    train.add_argument(
+        "--nproc-per-node",
+        type=int,
+        metavar="N",
+        help="data parallel on this machine: start N ranks (DDP) through torch's elastic "
+        "launcher, as torchrun does",
+    )
     train.add_argument(
         "--set",
         action="append",
@@ -250,6 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             load_plugin_modules(argv)
             parser = build_parser()
             args = parser.parse_args(argv)
+            args.argv = argv  # the command line as given (--nproc-per-node relaunches it)
             if not getattr(args, "handler", None):
                 parser.print_help()
                 return EXIT_USER_ERROR

@@ -40,6 +40,7 @@ __all__ = [
     "MuonConfig",
     "OOOBackpropConfig",
     "OptimizerConfig",
+    "ParallelConfig",
     "PrecisionConfig",
     "RunConfig",
     "SchedulerConfig",
@@ -295,6 +296,31 @@ class CheckpointConfig(Section):
 
 
 @dataclass
+class ParallelConfig(Section):
+    """The ``parallel`` section: data parallel inside one machine (DDP via torchrun)."""
+
+    strategy: Literal["auto", "none", "ddp"] = option(
+        "auto",
+        help="`auto`: DDP when launched with WORLD_SIZE > 1; `none`: never; `ddp`: required.",
+    )
+    backend: Literal["auto", "nccl", "gloo"] = option(
+        "auto", help="Process-group backend; `auto` is nccl on CUDA, gloo on CPU."
+    )
+    find_unused_parameters: bool = option(
+        False, help="DDP's find_unused_parameters, for models whose forward skips parameters."
+    )
+    static_graph: bool = option(
+        False, help="DDP's static_graph: the same parameters are used on every step."
+    )
+    timeout: float = option(
+        600.0,
+        gt=0,
+        le=86400,
+        help="Seconds a collective may wait for the other ranks before the run fails.",
+    )
+
+
+@dataclass
 class EvalConfig(Section):
     """The ``eval`` section: held-out evaluation during training and at its end."""
 
@@ -367,6 +393,7 @@ CORE_SECTIONS: dict[str, type] = {
     "ooo_backprop": OOOBackpropConfig,
     "checkpoint": CheckpointConfig,
     "eval": EvalConfig,
+    "parallel": ParallelConfig,
     "logging": LoggingConfig,
 }
 TOP_LEVEL_KEYS = ("model", "gradient_checkpointing")
@@ -416,6 +443,7 @@ class SpeedtronicConfig:
     gradient_checkpointing: bool = False
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     plugins: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Sections contributed by plugins, by name; also reachable as attributes."""

@@ -31,6 +31,7 @@ from speedtronic.batch import batch_size_and_tokens, call_model, labels_as_input
 from speedtronic.checkpoint import rng_state, set_rng_state
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.errors import ConfigError, DataError
+from speedtronic.parallel import SINGLE_PROCESS, ParallelContext
 from speedtronic.precision import Precision
 
 __all__ = ["EVAL_SEED_SALT", "EvalResult", "Evaluator", "build_eval_source", "eval_seed"]
@@ -75,7 +76,9 @@ class Evaluator:
         precision: Precision,
         label_mode: str = "shifted",
         description: str = "",
+        parallel: ParallelContext = SINGLE_PROCESS,
     ) -> None:
+        self.parallel = parallel
         self.source = source
         self.batches = batches
         self.device = device
@@ -126,7 +129,14 @@ class Evaluator:
                         loss = loss_of(call_model(model, on_device))
                     total += loss.detach().double()
                     tokens += batch_size_and_tokens(batch)[1]
-            mean = float(total.item() / len(batches))  # the one host sync of an evaluation
+            # Under DDP each rank scored its own share: average over ranks (one collective).
+            counts = torch.tensor(
+                [float(len(batches)), float(tokens)], device=self.device, dtype=torch.float64
+            )
+            total = self.parallel.sum(total)
+            counts = self.parallel.sum(counts)
+            mean = float(total.item() / counts[0].item())  # the host sync of an evaluation
+            tokens = int(counts[1].item())
         finally:
             model.train(was_training)
             set_rng_state(saved_rng)
@@ -136,7 +146,7 @@ class Evaluator:
             loss=mean,
             ppl=ppl,
             tokens=tokens,
-            batches=len(batches),
+            batches=int(counts[0].item()),
             elapsed_s=time.perf_counter() - started,
         )
 

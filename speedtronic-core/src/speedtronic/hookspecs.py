@@ -6,8 +6,9 @@ group ``speedtronic``; implementations may accept any subset of a hook's argumen
 These docstrings are the hook reference: ``docs/hooks.md`` is generated from them.
 
 Every hook called during a run receives the run (``trainer``). A plugin keeps what it knows
-about a run in ``trainer.plugin_state[<plugin name>]``: a dict that is empty when ``fit``
-starts (before :func:`on_load_checkpoint`) and emptied after :func:`on_train_end`.
+about a run in ``trainer.plugin_state[<plugin name>]``: a dict that is empty when a run
+begins (``on_load_checkpoint`` fills it on resume, before :func:`on_train_start`) and is
+emptied after :func:`on_train_end`.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ __all__ = [
     "build_model",
     "config_sections",
     "data_seed",
+    "export_model",
     "hookimpl",
     "hookspec",
+    "load_global_state",
     "on_checkpoint",
     "on_load_checkpoint",
     "on_metric",
@@ -125,4 +128,35 @@ def data_seed(config: Any, seed: int) -> int | None:
 
     Lets a plugin give each participant of a multi-node run its own samples (DumbDiLoCo derives
     it from the node id) without touching the user's config. The first non-``None`` answer wins.
+    """
+
+
+@hookspec(firstresult=True)
+def export_model(
+    model: Any, config: Any, format: str, directory: Any, info: dict[str, Any]
+) -> str | None:
+    """Write ``model`` (trained weights loaded, cast to the requested dtype, on the CPU) in
+    ``format`` (``"hf"``: a folder ``transformers.AutoModelForCausalLM.from_pretrained``
+    loads) into ``directory``, an empty staging folder (a ``pathlib.Path``) that
+    ``speedtronic export`` renames into place once everything is written.
+
+    Return a short description of what was written (``"LlamaForCausalLM"``) when this plugin
+    exports this model to this format, otherwise ``None`` so the next plugin is asked; no
+    answer is a clear error. ``info`` holds ``dtype`` (``"float32"``, ``"bfloat16"``,
+    ``"float16"``), ``eos_token_id`` and ``bos_token_id`` (``None`` when the run has none) and
+    ``tokenizer`` (its kind); the tokenizer files themselves are written by core afterwards.
+    """
+
+
+@hookspec(firstresult=True)
+def load_global_state(config: Any, model: Any) -> dict[str, Any] | None:
+    """Return the current global weights of a multi-node run as a state dict for ``model``
+    (what ``--global`` of ``speedtronic export``, ``generate`` and ``eval`` loads), or ``None``
+    when this plugin has nothing to say for ``config``.
+
+    A plugin that owns the shared store (DumbDiLoCo's ``distributed`` section) reads the newest
+    published weights there, without joining the run or writing anything, and returns CPU
+    tensors under the model's own ``state_dict`` keys; when the store is configured but holds
+    no weights yet it raises a ``SpeedtronicError`` saying so. No plugin answering is a clear
+    error. The first non-``None`` answer wins.
     """

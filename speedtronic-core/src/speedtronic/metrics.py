@@ -319,9 +319,11 @@ class ThroughputMeter:
         finally:
             self.started += time.perf_counter() - since
 
-    def mean_loss(self) -> float:
-        """The window's mean step loss (one host sync)."""
-        return float(self.loss_sum.item() / max(self.steps, 1))
+    def mean_loss(self, reduce: Callable[[Any], Any] | None = None) -> float:
+        """The window's mean step loss (one host sync); ``reduce`` (a mean over data-parallel
+        ranks) is applied to the summed loss first."""
+        total = self.loss_sum if reduce is None else reduce(self.loss_sum)
+        return float(total.item() / max(self.steps, 1))
 
     def rates(self) -> dict[str, float]:
         """steps/samples/tokens per second over the window's training time."""

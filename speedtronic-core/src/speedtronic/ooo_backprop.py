@@ -21,15 +21,19 @@ next layer down waits for nothing.
 * **The backward.** The swapped forward calls :func:`ooo_linear`, a custom autograd function
   whose backward returns ``dX`` and hands ``dW`` and the bias gradient to the queue instead of
   returning them, so autograd's own accumulation never runs for those weights.
-* **The queue.** With ``stream: same`` (and always off CUDA) the products wait, in order, until
-  :meth:`~OOOBackprop.flush` / :meth:`~OOOBackprop.drain` runs them on the device's current
-  stream and adds them to ``.grad`` the way autograd does. With ``stream: side`` on CUDA each
-  product is launched at once on a dedicated stream that first waits for the default stream
-  (an event: the product's inputs exist), its inputs are ``record_stream``-ed so the caching
-  allocator cannot reuse their memory early, and the result accumulates into a private buffer
-  per parameter; :meth:`~OOOBackprop.drain` makes the default stream wait for the side stream
-  and only then moves the buffers into ``.grad``, so nothing races with autograd's own
-  accumulation of a weight that is also used elsewhere (a tied embedding).
+* **The queue.** With ``stream: same`` (and always off CUDA) the products wait in order on the
+  device's current stream: when more than ``window`` layer calls wait (default
+  :data:`SAME_STREAM_WINDOW`, 1: a layer's ``dW`` runs after the ``dX`` of the layer below) the
+  oldest runs, and :meth:`~OOOBackprop.flush` / :meth:`~OOOBackprop.drain` run the rest; each
+  is added to ``.grad`` the way autograd does. The window keeps memory as autograd's (holding
+  every layer's ``dY`` and ``X`` to the end of backward would not speed up a single stream).
+  With ``stream: side`` on CUDA each product is launched at once on a dedicated stream that
+  first waits for the default stream (an event: the product's inputs exist), its inputs are
+  ``record_stream``-ed so the caching allocator cannot reuse their memory early, and the result
+  accumulates into a private buffer per parameter; :meth:`~OOOBackprop.drain` makes the default
+  stream wait for the side stream and only then moves the buffers into ``.grad``, so nothing
+  races with autograd's own accumulation of a weight that is also used elsewhere (a tied
+  embedding).
 
 ``.grad`` of a swapped weight is complete only after :meth:`~OOOBackprop.drain`. The trainer
 drains after the last micro-batch's backward and again before it unscales, clips or steps
@@ -61,6 +65,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -76,11 +81,14 @@ from speedtronic.errors import SpeedtronicError
 if TYPE_CHECKING:
     from speedtronic.config import OOOBackpropConfig
 
-__all__ = ["OOOBackprop", "install_ooo_backprop", "ooo_linear"]
+__all__ = ["SAME_STREAM_WINDOW", "OOOBackprop", "install_ooo_backprop", "ooo_linear"]
 
 log = logging.getLogger("speedtronic.ooo_backprop")
 
 _warned: set[str] = set()
+
+SAME_STREAM_WINDOW = 1
+"""Layer calls whose products may wait in ``same`` mode before the oldest runs."""
 
 
 def _warn_once(key: str, message: str, *args: Any) -> None:
@@ -311,23 +319,32 @@ class _SideStreams:
 class OOOBackprop:
     """The deferred weight gradients of the swapped ``nn.Linear`` layers of a model.
 
-    ``stream`` is ``"side"`` (CUDA: a dedicated stream) or ``"same"`` (queued, run in order at
-    the drain). Off CUDA ``"side"`` behaves as ``"same"``: :func:`install_ooo_backprop` warns
-    once about it. Use :meth:`install` to swap a model's linears, :meth:`drain` before anything
-    reads ``.grad`` and :meth:`remove` to undo the swap.
+    ``stream`` is ``"side"`` (CUDA: a dedicated stream) or ``"same"`` (queued, run in order,
+    at most ``window`` layer calls behind; ``window=None`` holds them all until the drain). Off
+    CUDA ``"side"`` behaves as ``"same"``: :func:`install_ooo_backprop` warns once about it.
+    Use :meth:`install` to swap a model's linears, :meth:`drain` before anything reads
+    ``.grad`` and :meth:`remove` to undo the swap.
     """
 
     def __init__(
-        self, device: torch.device | str, stream: str = "side", *, stream_api: Any = None
+        self,
+        device: torch.device | str,
+        stream: str = "side",
+        *,
+        window: int | None = SAME_STREAM_WINDOW,
+        stream_api: Any = None,
     ) -> None:
         if stream not in ("side", "same"):
             raise ValueError(f"stream must be 'side' or 'same', got {stream!r}")
+        if window is not None and window < 0:
+            raise ValueError(f"window must be >= 0 or None, got {window}")
         self.device = torch.device(device)
+        self.window = window
         # The module providing Stream / current_stream / stream for the side path: torch.cuda
         # on CUDA; the tests pass torch.cpu (whose streams do nothing) to run it on CPU.
         api = stream_api or (torch.cuda if self.device.type == "cuda" else None)
         self._side = _SideStreams(api) if stream == "side" and api is not None else None
-        self._queue: list[_Job] = []  # same: products waiting to run, in backward order
+        self._queue: deque[_Job] = deque()  # same: products waiting to run, in backward order
         self._buffers: dict[int, tuple[Tensor, Tensor]] = {}  # side: id -> (leaf, buffer)
         self._swapped: list[tuple[weakref.ref[nn.Module], _SwappedForward]] = []
         self._hooks: list[Any] = []
@@ -410,6 +427,8 @@ class OOOBackprop:
         stream."""
         if self._side is None:
             self._queue.append(job)
+            if self.window is not None and len(self._queue) > self.window:
+                self._run(self._queue.popleft())
             return
         device = job.grad_output.device
         main, side = self._side.current(device), self._side.side(device)
@@ -432,18 +451,21 @@ class OOOBackprop:
                 else:
                     entry[1].add_(grad.to(entry[1].dtype))
 
+    @staticmethod
     @torch.no_grad()
+    def _run(job: _Job) -> None:
+        weight_grad, bias_grad = job.products()
+        if weight_grad is not None:
+            _accumulate(job.weight, weight_grad)  # type: ignore[arg-type]
+        if bias_grad is not None:
+            _accumulate(job.bias, bias_grad)  # type: ignore[arg-type]
+
     def flush(self) -> None:
         """Run the queued products now (``same``), in the order the backward queued them;
         with ``side`` they were launched already. ``.grad`` is complete only after
         :meth:`drain`."""
-        queue, self._queue = self._queue, []
-        for job in queue:
-            weight_grad, bias_grad = job.products()
-            if weight_grad is not None:
-                _accumulate(job.weight, weight_grad)  # type: ignore[arg-type]
-            if bias_grad is not None:
-                _accumulate(job.bias, bias_grad)  # type: ignore[arg-type]
+        while self._queue:
+            self._run(self._queue.popleft())
 
     @torch.no_grad()
     def drain(self) -> None:

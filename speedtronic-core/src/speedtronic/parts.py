@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,13 +24,15 @@ from speedtronic.checkpoint import CheckpointManager
 from speedtronic.compile import CompiledModel
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.data import DataSource
+from speedtronic.errors import ConfigError
 from speedtronic.eval import Evaluator, build_eval_source
 from speedtronic.metrics import MetricLogger
 from speedtronic.ooo_backprop import OOOBackprop, install_ooo_backprop
 from speedtronic.optim import build_optimizer, build_scheduler
+from speedtronic.parallel import SINGLE_PROCESS, ParallelContext
 from speedtronic.precision import Precision, resolve_device, resolve_precision
 
-__all__ = ["TrainingParts", "build_parts", "model_limits"]
+__all__ = ["TrainingParts", "accumulation_steps", "build_parts", "model_limits"]
 
 log = logging.getLogger("speedtronic.trainer")
 
@@ -57,6 +59,13 @@ class TrainingParts:
     reading ``.grad``), else None."""
     evaluator: Evaluator | None = None
     """Held-out evaluation when the ``eval`` section asks for it, else None."""
+    parallel: ParallelContext = field(default_factory=ParallelContext)
+    """This process's rank and world size (data parallel), single-process by default."""
+    ddp: Any = None
+    """The DistributedDataParallel wrapper the forward runs through under DDP, else None."""
+    accumulation_steps: int = 1
+    """Micro-batches per optimizer step on this rank: the global ``data.target_batch_size``
+    divided by ``micro_batch_size`` x world size."""
 
 
 def build_parts(
@@ -72,6 +81,7 @@ def build_parts(
     checkpoints: CheckpointManager | None = None,
     evaluator: Evaluator | None = None,
     eval_dataset: Any = None,
+    parallel: ParallelContext = SINGLE_PROCESS,
 ) -> TrainingParts:
     """The parts of a run over ``model`` and ``data``; any part given is used as it is.
 
@@ -80,7 +90,8 @@ def build_parts(
     from speedtronic.plugins import get_plugin_manager
 
     config.validate()  # a config changed in place since it was loaded
-    device = device or resolve_device(config.run.device)
+    device = device or parallel.device or resolve_device(config.run.device)
+    accumulation = accumulation_steps(config, parallel.world_size)
     model = model.to(device)
     precision = resolve_precision(config.precision.mode, device)
     optimizer = build_optimizer(model, config.optimizer, device, optimizer)
@@ -95,14 +106,35 @@ def build_parts(
     if evaluator is None and config.eval.configured:
         evaluator = Evaluator(
             build_eval_source(
-                config, **model_limits(model, config.model.params), dataset=eval_dataset
+                config,
+                **model_limits(model, config.model.params),
+                dataset=eval_dataset,
+                rank=parallel.rank,
+                num_ranks=parallel.world_size,
             ),
             config.eval.batches,
             device=device,
             precision=precision,
             label_mode=labels,
+            parallel=parallel,
         )
         log.info("eval: %d micro-batches of %s", config.eval.batches, evaluator.description)
+    ddp = None
+    if parallel.enabled:
+        if ooo is not None:
+            raise ConfigError(
+                "cannot be combined with data parallel yet: DDP reduces gradients in autograd "
+                "hooks that deferred weight-gradient products bypass",
+                "ooo_backprop.enabled",
+            )
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            find_unused_parameters=config.parallel.find_unused_parameters,
+            static_graph=config.parallel.static_graph,
+        )
     return TrainingParts(
         config=config,
         model=model,
@@ -116,11 +148,28 @@ def build_parts(
         or CheckpointManager(config.checkpoint_dir, config.checkpoint.keep_last),
         metrics=metric_logger if metric_logger is not None else MetricLogger(),
         plugin_manager=plugin_manager if plugin_manager is not None else get_plugin_manager(),
-        compiled=CompiledModel(model, config.compile),
+        compiled=CompiledModel(ddp if ddp is not None else model, config.compile),
         label_mode=labels,
         ooo_backprop=ooo,
         evaluator=evaluator,
+        parallel=parallel,
+        ddp=ddp,
+        accumulation_steps=accumulation,
     )
+
+
+def accumulation_steps(config: SpeedtronicConfig, world_size: int = 1) -> int:
+    """Micro-batches per optimizer step on each rank: ``data.target_batch_size`` is the global
+    batch (default: one micro-batch per rank), split over ``world_size`` ranks."""
+    micro = config.data.micro_batch_size
+    target = config.data.target_batch_size or micro * world_size
+    if target % (micro * world_size):
+        raise ConfigError(
+            f"is {target}, which {world_size} ranks x micro_batch_size {micro} do not divide; "
+            f"use a multiple of {micro * world_size}",
+            "data.target_batch_size",
+        )
+    return target // (micro * world_size)
 
 
 def model_limits(model: nn.Module, params: dict[str, Any]) -> dict[str, int | None]:

@@ -48,8 +48,8 @@ __all__ = [
     "load_plugins",
     "missing_provider_hint",
     "normalize_distribution",
-    "provided_by",
     "pm",
+    "provided_by",
     "register",
     "unregister",
 ]
@@ -74,6 +74,7 @@ PROVIDED_SECTIONS: dict[str, str] = {
 }
 PROVIDED_MODELS: dict[str, str] = {
     "reference_transformer": "speedtronic-models",
+    "hf_causal_lm": "speedtronic-models",
 }
 # Both tables in one, for look-ups that only need "who provides this key".
 KNOWN_PROVIDERS: dict[str, str] = {**PROVIDED_SECTIONS, **PROVIDED_MODELS}

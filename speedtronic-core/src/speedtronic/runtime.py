@@ -20,6 +20,7 @@ from torch import nn
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.data import DataSource, Tokenizer, build_dataloader
 from speedtronic.metrics import ConsoleSink, JsonlSink, MetricLogger, TextFileSink, import_hook
+from speedtronic.parallel import init_parallel
 from speedtronic.parts import build_parts, model_limits
 from speedtronic.plugins import get_plugin_manager
 from speedtronic.registry import build_model_from_hook
@@ -89,6 +90,10 @@ def build_runtime(
     config = SpeedtronicConfig.load(config)
     logging.getLogger("speedtronic").setLevel(config.logging.level)
     pm = get_plugin_manager()
+    parallel = init_parallel(config.parallel, config.run.device)
+    if not parallel.is_main:  # rank 0 speaks for the run; the others only warn
+        level = max(logging.WARNING, logging.getLevelName(config.logging.level))
+        logging.getLogger("speedtronic").setLevel(level)
     seed_everything(config.run.seed)
     if model is None:
         model = build_model_from_hook(config.model.name, **config.model.params)
@@ -103,21 +108,35 @@ def build_runtime(
         tokenizer,
         **model_limits(model, config.model.params),
         seed=adjusted if adjusted is not None else seed,
+        rank=parallel.rank,
+        num_ranks=parallel.world_size,
     )
     log.info("data: %s", data.description)
-    metrics = build_metric_logger(config, hooks, console)
+    # Under DDP, rank 0 alone prints and writes metric files.
+    metrics = build_metric_logger(config, hooks, console) if parallel.is_main else MetricLogger()
     try:
         parts = build_parts(
-            config, model, data, metric_logger=metrics, plugin_manager=pm, eval_dataset=eval_dataset
+            config,
+            model,
+            data,
+            metric_logger=metrics,
+            plugin_manager=pm,
+            eval_dataset=eval_dataset,
+            parallel=parallel,
         )
         trainer = Trainer.from_parts(parts)
     except BaseException:
         metrics.close()
+        parallel.close()
         raise
     return Runtime(config=config, model=model, data=data, trainer=trainer, metrics=metrics)
 
 
 def train_from_config(config: Any, **kwargs: Any) -> TrainResult:
-    """Build the runtime for ``config`` and train; returns the :class:`TrainResult`."""
+    """Build the runtime for ``config`` and train; returns the :class:`TrainResult`. A process
+    group this call joined (DDP under torchrun) is left again at the end."""
     runtime = build_runtime(config, **kwargs)
-    return runtime.trainer.fit()
+    try:
+        return runtime.trainer.fit()
+    finally:
+        runtime.trainer.parallel.close()

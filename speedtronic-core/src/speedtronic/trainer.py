@@ -12,6 +12,7 @@ import logging
 import math
 import time
 from collections.abc import Iterable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -27,7 +28,7 @@ from speedtronic.batch import (
     loss_of,
     move_to,
 )
-from speedtronic.checkpoint import CheckpointManager, rng_state, set_rng_state
+from speedtronic.checkpoint import CheckpointManager, checkpoint_name, rng_state, set_rng_state
 from speedtronic.checkpoint.fileio import probe_writable
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.data import DataSource, repeat_epochs
@@ -136,9 +137,10 @@ class Trainer:
     masking when ``optimizer.cautious`` is set. Plugins come from ``plugin_manager`` (the
     process-wide one by default).
 
-    ``plugin_state`` is the per-run home of plugins: a dict, empty when ``fit`` starts and
-    emptied after ``on_train_end``, where a plugin keeps what it knows about this run under its
-    own name (``trainer.plugin_state["diloco"]``).
+    ``plugin_state`` is the per-run home of plugins: a dict, empty when a run begins
+    (``on_load_checkpoint`` fills it on resume) and emptied after ``on_train_end``, where a
+    plugin keeps what it knows about this run under its own name
+    (``trainer.plugin_state["diloco"]``).
     """
 
     def __init__(
@@ -195,7 +197,9 @@ class Trainer:
         self.best_eval: tuple[float, int] | None = None
         self._last_eval_step: int | None = None
         self._last_saved_step: int | None = None
-        self.accumulation_steps = self.config.data.accumulation_steps
+        self.accumulation_steps = parts.accumulation_steps
+        self.parallel = parts.parallel
+        self.ddp = parts.ddp
         self.reset_optimizer_on_weight_replace = True
         self.plugin_state: dict[str, Any] = {}
         self.step = 0
@@ -212,6 +216,8 @@ class Trainer:
     def emit(self, event: str, payload: dict[str, Any]) -> None:
         """Send one metric event of this run to its sinks and to every plugin's ``on_metric``
         (a failing plugin is warned about once and never stops training)."""
+        if not self.parallel.is_main:
+            return  # under DDP rank 0 alone reports: one set of metrics per run
         self.metrics.emit(event, payload)
         call_each(
             self.plugin_manager.hook.on_metric,
@@ -285,9 +291,18 @@ class Trainer:
         best = state.get("eval") or {}
         if isinstance(best.get("best_loss"), float) and isinstance(best.get("best_step"), int):
             self.best_eval = (best["best_loss"], best["best_step"])
-        set_rng_state(state["rng"])
+        rng = state["rng"]
+        per_rank = state.get("rng_per_rank")
+        if isinstance(per_rank, list) and len(per_rank) == self.parallel.world_size:
+            rng = per_rank[self.parallel.rank]
+        elif self.parallel.enabled:
+            log.warning(
+                "the checkpoint was written by a different number of ranks: every rank "
+                "continues from rank 0's random generators (data positions are exact)"
+            )
+        set_rng_state(rng)
         # Applied again once the data iterator exists, see _restore_resumed_rng.
-        self._resumed_rng = state["rng"]
+        self._resumed_rng = rng
         self.plugin_manager.hook.on_load_checkpoint(trainer=self, state=state.get("plugins") or {})
 
     def save_checkpoint(self) -> Path:
@@ -298,13 +313,22 @@ class Trainer:
         :class:`CheckpointError`, with the previous checkpoints intact and this trainer's state
         still in memory (a caller may free space and call this again)."""
         state = self.state_dict()
-        try:
-            path = self.checkpoints.save(self.step, state)
-        except CheckpointError as exc:
-            pause = self.config.checkpoint.save_retry_pause
-            log.warning("%s; retrying once in %.0f s", exc, pause)
-            time.sleep(pause)
-            path = self.checkpoints.save(self.step, state)
+        if self.parallel.enabled:
+            # Every rank's generators, so a resume with the same world size continues each
+            # rank exactly; rank 0 alone writes, the others wait for it.
+            state["rng_per_rank"] = self.parallel.gather(state["rng"])
+            problem = None
+            if self.parallel.is_main:
+                try:
+                    self._save_with_retry(state)
+                except CheckpointError as exc:
+                    problem = str(exc)
+            problem = self.parallel.broadcast(problem)
+            if problem:
+                raise CheckpointError(problem)
+            path = self.checkpoints.directory / checkpoint_name(self.step)
+        else:
+            path = self._save_with_retry(state)
         log.debug("checkpoint at step %d: %s", self.step, path)
         self._last_saved_step = self.step
         self.emit("checkpoint", {"step": self.step, "path": str(path)})
@@ -339,6 +363,30 @@ class Trainer:
             set_rng_state(self._resumed_rng)
             self._resumed_rng = None
 
+    def _save_with_retry(self, state: dict[str, Any]) -> Path:
+        try:
+            return self.checkpoints.save(self.step, state)
+        except CheckpointError as exc:
+            pause = self.config.checkpoint.save_retry_pause
+            log.warning("%s; retrying once in %.0f s", exc, pause)
+            time.sleep(pause)
+            return self.checkpoints.save(self.step, state)
+
+    def _checked_on_main(self, check: Any) -> None:
+        """Run a check of the checkpoint directory on rank 0 only (other ranks would race its
+        writes) and fail every rank with its error."""
+        problem = None
+        if self.parallel.is_main:
+            try:
+                check()
+            except CheckpointError as exc:
+                if not self.parallel.enabled:
+                    raise
+                problem = str(exc)
+        problem = self.parallel.broadcast(problem)
+        if problem:
+            raise CheckpointError(problem)
+
     def _check_checkpoints_writable(self) -> None:
         """Find an unwritable checkpoint directory now, not at the final save of a long run."""
         config = self.config.checkpoint
@@ -357,8 +405,8 @@ class Trainer:
         """A fresh run never overwrites another run's checkpoints: it would replace their
         ``latest.json`` and same-numbered steps."""
         config = self.config.checkpoint
-        if not (config.interval or config.save_final):
-            return
+        if not (config.interval or config.save_final) or self.step:
+            return  # nothing to write, or this trainer continuing its own run in memory
         existing = self.checkpoints.candidates()
         if existing:
             raise CheckpointError(
@@ -371,8 +419,9 @@ class Trainer:
     # ------------------------------------------------------------------ loop
     def _batches(self) -> Iterator[Any]:
         if isinstance(self.data, DataSource):
-            # A source that can only resume by skipping says so itself (data._skip).
-            return self.data.iterate(self.samples_seen)
+            # A source that can only resume by skipping says so itself (data._skip). The
+            # position is the global sample count; each rank reads its own share of it.
+            return self.data.iterate(self.samples_seen // self.parallel.world_size)
         batches = repeat_epochs(self.data)
         if self.samples_seen:
             log.warning("resuming a plain iterable: skipping consumed batches is the only way")
@@ -397,11 +446,14 @@ class Trainer:
         accumulating = len(batches) > 1
         losses = []
         for index, batch in enumerate(batches):
-            with self.precision.autocast(self.device):
-                loss = loss_of(call_model(model, batch))
-            # Each micro-batch loss is a mean; dividing by their count makes the summed
-            # gradients those of the mean over the whole optimizer batch.
-            self.scaler.scale(loss / len(batches) if accumulating else loss).backward()
+            last = index == len(batches) - 1
+            # Under DDP only the last micro-batch's backward all-reduces the gradients.
+            with self.ddp.no_sync() if self.ddp is not None and not last else nullcontext():
+                with self.precision.autocast(self.device):
+                    loss = loss_of(call_model(model, batch))
+                # Each micro-batch loss is a mean; dividing by their count makes the summed
+                # gradients those of the mean over the whole optimizer batch.
+                self.scaler.scale(loss / len(batches) if accumulating else loss).backward()
             self._drain_grads(last=index == len(batches) - 1)
             losses.append(loss.detach())
         if accumulating:
@@ -450,7 +502,8 @@ class Trainer:
 
     def fit(self) -> TrainResult:
         """Train until ``run.max_steps`` (a global target: a resumed run continues to it)."""
-        self.plugin_state = {}
+        # Not emptied here: a Python caller may have restored plugins' state with
+        # load_state_dict() before calling fit().
         try:
             return self._fit()
         finally:
@@ -466,7 +519,7 @@ class Trainer:
                 raise
         else:
             try:
-                self._refuse_to_overwrite_checkpoints()
+                self._checked_on_main(self._refuse_to_overwrite_checkpoints)
             except BaseException:
                 self.metrics.close()
                 raise
@@ -485,7 +538,7 @@ class Trainer:
                 summary={"message": message},
             )
         try:
-            self._check_checkpoints_writable()
+            self._checked_on_main(self._check_checkpoints_writable)
         except BaseException:
             self.metrics.close()
             raise
@@ -560,6 +613,7 @@ class Trainer:
         batches = self._batches()
         self._restore_resumed_rng()
         meter = ThroughputMeter(self.device)
+        world = self.parallel.world_size
         last_loss: float | None = None
         while self.step < max_steps:
             micro = self._next_micro_batches(batches)
@@ -571,6 +625,8 @@ class Trainer:
             # position a resumed run restarts from.
             for batch in micro:
                 samples, tokens = batch_size_and_tokens(batch)
+                # Global counts: every rank consumed a micro-batch of the same shape.
+                samples, tokens = samples * world, tokens * world
                 self.samples_seen += samples
                 self.tokens_seen += tokens
                 meter.count_batch(samples, tokens)
@@ -592,7 +648,7 @@ class Trainer:
                     reset_optimizer_state(self.optimizer)
 
             if self.step % log_every == 0 or self.step == max_steps:
-                last_loss = self.last_loss = meter.mean_loss()
+                last_loss = self.last_loss = meter.mean_loss(self.parallel.mean)
                 if not math.isfinite(last_loss):
                     log.warning("the loss is %s at step %d", last_loss, self.step)
                 self.emit(
@@ -634,7 +690,8 @@ class Trainer:
             self.best_eval = (result.loss, self.step)
             if self._last_saved_step != self.step:
                 self.save_checkpoint()
-            self.checkpoints.mark_best(self.step, result.loss)
+            if self.parallel.is_main:
+                self.checkpoints.mark_best(self.step, result.loss)
             log.info("best eval loss so far: %.4f at step %d", result.loss, self.step)
         return result
 

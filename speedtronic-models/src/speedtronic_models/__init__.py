@@ -1,4 +1,5 @@
-"""The reference transformer for Speedtronic, registered as model ``reference_transformer``.
+"""The reference transformer for Speedtronic, registered as model ``reference_transformer``
+(with ``hf_causal_lm``, any ``transformers`` causal LM, when the ``transformers`` extra is in).
 
 Names resolve on first use so that plugin discovery (which imports
 :mod:`speedtronic_models.plugin`) does not pay for importing torch.
@@ -11,12 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from speedtronic_models.config import TransformerConfig
+    from speedtronic_models.kv_cache import KVCache
     from speedtronic_models.model import ReferenceTransformer
 
 __version__ = "0.1.0"
-__all__ = ["ReferenceTransformer", "TransformerConfig", "__version__"]
+__all__ = ["KVCache", "ReferenceTransformer", "TransformerConfig", "__version__"]
 
 _LAZY = {
+    "KVCache": "speedtronic_models.kv_cache",
     "ReferenceTransformer": "speedtronic_models.model",
     "TransformerConfig": "speedtronic_models.config",
 }

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
@@ -211,14 +212,22 @@ def load_llama(model: ReferenceTransformer, directory: Any) -> None:
         raise ConfigError(
             f"{folder} does not fit this reference_transformer: {'; '.join(problems)}", WHERE
         )
-    tensors = _read_tensors(folder)
-    problems = _shape_problems(tensors, model)
+    files = _weight_files(folder)
+    shapes = _read_shapes(files)
+    problems = _shape_problems(shapes, model)
     if problems:
         raise ConfigError(f"{folder}: {'; '.join(problems)}", WHERE)
-    state = from_hf_state_dict(tensors, model.config.n_layer)
     if any(p.is_meta for p in model.parameters()):
         return
-    model.load_state_dict(state, strict=True)
+    tensors = _read_tensors(files)
+    head = tensors.pop("lm_head.weight", None)
+    if head is not None and not torch.equal(head, tensors["model.embed_tokens.weight"]):
+        raise ConfigError(
+            f"{folder}: lm_head.weight differs from the embedding (an untied head: the "
+            "reference model's output head is its embedding)",
+            WHERE,
+        )
+    model.load_state_dict(from_hf_state_dict(tensors, model.config.n_layer), strict=True)
 
 
 def _read_config(folder: Path) -> dict[str, Any]:
@@ -226,7 +235,9 @@ def _read_config(folder: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ConfigError(f"{folder} has no {CONFIG_FILE}: not a Hugging Face model folder", WHERE)
+        raise ConfigError(
+            f"{folder} has no {CONFIG_FILE}: not a Hugging Face model folder", WHERE
+        ) from None
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot read {path}: {exc}", WHERE) from None
     if not isinstance(data, dict):
@@ -297,26 +308,22 @@ def _rope_type(hf: dict[str, Any]) -> str | None:
     return None
 
 
-def _read_tensors(folder: Path) -> dict[str, Tensor]:
+def _weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a folder: ``model.safetensors`` or the shards its index names."""
     single = folder / WEIGHTS_FILE
     index = folder / WEIGHTS_INDEX_FILE
-    try:
-        if single.is_file():
-            return load_file(str(single))
-        if index.is_file():
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            tensors: dict[str, Tensor] = {}
-            for shard in sorted(set(weight_map.values())):
-                if Path(shard).name != shard:
-                    raise ConfigError(f"{index} names a shard outside the folder: {shard!r}", WHERE)
-                tensors.update(load_file(str(folder / shard)))
-            return tensors
-    except ConfigError:
-        raise
-    except Exception as exc:  # safetensors raises its own error types
-        raise ConfigError(
-            f"cannot read the weights in {folder}: {type(exc).__name__}: {exc}", WHERE
-        ) from None
+            shards = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError(f"cannot read {index}: {exc}", WHERE) from None
+        for shard in shards:
+            if not isinstance(shard, str) or Path(shard).name != shard:
+                raise ConfigError(f"{index} names a shard outside the folder: {shard!r}", WHERE)
+        return [folder / shard for shard in shards]
     pickled = [name for name in ("pytorch_model.bin", "model.pt") if (folder / name).exists()]
     hint = (
         f" ({pickled[0]} is a pickle, which Speedtronic does not load: convert it to safetensors)"
@@ -326,29 +333,51 @@ def _read_tensors(folder: Path) -> dict[str, Tensor]:
     raise ConfigError(f"{folder} has no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE}{hint}", WHERE)
 
 
-def _shape_problems(tensors: Mapping[str, Tensor], model: ReferenceTransformer) -> list[str]:
+def _read_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes from the safetensors headers alone (nothing is loaded)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    try:
+        for file in files:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118  (a safe_open handle, not a dict)
+                    shapes[name] = tuple(handle.get_slice(name).get_shape())
+    except Exception as exc:  # safetensors raises its own error types
+        raise ConfigError(f"cannot read {file}: {type(exc).__name__}: {exc}", WHERE) from None
+    return shapes
+
+
+def _read_tensors(files: list[Path]) -> dict[str, Tensor]:
+    tensors: dict[str, Tensor] = {}
+    try:
+        for file in files:
+            tensors.update(load_file(str(file)))
+    except Exception as exc:  # safetensors raises its own error types
+        raise ConfigError(f"cannot read {file}: {type(exc).__name__}: {exc}", WHERE) from None
+    return tensors
+
+
+def _shape_problems(
+    shapes: Mapping[str, tuple[int, ...]], model: ReferenceTransformer
+) -> list[str]:
     """Missing, unexpected and wrongly shaped tensors, by their Hugging Face names."""
-    expected = {name: tuple(t.shape) for name, t in _expected_shapes(model).items()}
+    expected = _expected_shapes(model)
     problems = []
-    missing = [name for name in expected if name not in tensors]
+    missing = [name for name in expected if name not in shapes]
     if missing:
         problems.append(f"missing tensors {_short(missing)}")
-    extra = [name for name in tensors if name not in expected and not _ignorable(name)]
-    if "lm_head.weight" in tensors and "model.embed_tokens.weight" in tensors:
-        if not torch.equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]):
-            problems.append("lm_head.weight differs from the embedding (an untied head)")
+    extra = [name for name in shapes if name not in expected and not _ignorable(name)]
     if extra:
         problems.append(f"unexpected tensors {_short(extra)}")
     for name, shape in expected.items():
-        if name in tensors and tuple(tensors[name].shape) != shape:
-            problems.append(f"{name} has shape {list(tensors[name].shape)}, expected {list(shape)}")
+        if name in shapes and tuple(shapes[name]) != shape:
+            problems.append(f"{name} has shape {list(shapes[name])}, expected {list(shape)}")
     return problems
 
 
-def _expected_shapes(model: ReferenceTransformer) -> dict[str, Tensor]:
+def _expected_shapes(model: ReferenceTransformer) -> dict[str, tuple[int, ...]]:
     config = model.config
     d, hd, hidden = config.d_model, config.head_dim, config.ffn_hidden
-    shapes = {
+    shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (config.vocab_size, d),
         "model.norm.weight": (d,),
     }
@@ -367,7 +396,7 @@ def _expected_shapes(model: ReferenceTransformer) -> dict[str, Tensor]:
                 prefix + "mlp.down_proj.weight": (d, hidden),
             }
         )
-    return {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
+    return shapes
 
 
 def _ignorable(name: str) -> bool:

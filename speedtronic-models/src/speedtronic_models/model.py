@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -157,17 +157,27 @@ class ReferenceTransformer(nn.Module):
         self.gradient_checkpointing = bool(enabled)
 
     def new_kv_cache(self) -> KVCache:
-        """An empty cache for :meth:`forward` ``(use_cache=True)``, holding ``max_seq_len``
+        """An empty cache for :meth:`forward` ``(kv_cache=...)``, holding ``max_seq_len``
         positions (allocated by each layer on first use)."""
         return KVCache(self.config.n_layer, self.max_seq_len)
+
+    def start_decoding(self) -> Callable[[Tensor], Tensor]:
+        """Speedtronic's incremental-decoding protocol (``speedtronic.generation``): a
+        function that takes the next token ids ``[B, T]`` and returns their logits
+        ``[B, T, vocab_size]``, keeping a fresh KV cache between calls."""
+        cache = self.new_kv_cache()
+
+        def step(input_ids: Tensor) -> Tensor:
+            return self(input_ids, kv_cache=cache)["logits"]
+
+        return step
 
     def forward(
         self,
         input_ids: Tensor,
         labels: Tensor | None = None,
         attention_mask: Tensor | None = None,
-        past_key_values: KVCache | None = None,
-        use_cache: bool = False,
+        kv_cache: KVCache | None = None,
     ) -> dict[str, Any]:
         """Run the model on token ids ``[B, T]`` (``T <= max_seq_len``).
 
@@ -177,14 +187,13 @@ class ReferenceTransformer(nn.Module):
         keys. Returns ``{"logits": [B, T, vocab_size]}`` plus ``"loss"`` (mean cross-entropy)
         when labels are given.
 
-        Incremental decoding (generation): with ``use_cache=True`` the positions of
-        ``input_ids`` follow those already in ``past_key_values`` (a new
-        :meth:`new_kv_cache` when ``None``), their keys and values are added to it, and the
-        output carries it as ``"past_key_values"`` for the next call (the convention Hugging
-        Face models use, so one generation loop drives both). Training never takes this path.
+        Incremental decoding (generation): with ``kv_cache`` (from :meth:`new_kv_cache`) the
+        positions of ``input_ids`` follow those already cached, their keys and values are
+        added to it, and only ``{"logits"}`` for the new positions is returned. Training never
+        takes this path: without ``kv_cache`` the forward pass is the plain causal one.
         """
-        if use_cache or past_key_values is not None:
-            return self._decode(input_ids, past_key_values, attention_mask, labels)
+        if kv_cache is not None:
+            return self._decode(input_ids, kv_cache, attention_mask, labels)
         if input_ids.dim() != 2:
             raise DataError(
                 f"input_ids must be [batch, seq_len], got shape {list(input_ids.shape)}"
@@ -231,18 +240,17 @@ class ReferenceTransformer(nn.Module):
     def _decode(
         self,
         input_ids: Tensor,
-        cache: KVCache | None,
+        cache: KVCache,
         attention_mask: Tensor | None,
         labels: Tensor | None,
     ) -> dict[str, Any]:
-        """The incremental-decoding forward of :meth:`forward` ``(use_cache=True)``."""
+        """The incremental-decoding forward of :meth:`forward` ``(kv_cache=...)``."""
         if input_ids.dim() != 2:
             raise DataError(
                 f"input_ids must be [batch, seq_len], got shape {list(input_ids.shape)}"
             )
         if attention_mask is not None or labels is not None:
-            raise DataError("use_cache=True takes neither attention_mask nor labels")
-        cache = self.new_kv_cache() if cache is None else cache
+            raise DataError("a kv_cache forward takes neither attention_mask nor labels")
         seq_len = input_ids.shape[1]
         start = cache.reserve(seq_len)
         x = self.emb_dropout(self.tok_emb(input_ids))
@@ -251,4 +259,4 @@ class ReferenceTransformer(nn.Module):
             x = block(x, cos, sin, None, layer)
         cache.advance(seq_len)
         logits = F.linear(self.norm(x), self.tok_emb.weight)
-        return {"logits": logits, "past_key_values": cache}
+        return {"logits": logits}

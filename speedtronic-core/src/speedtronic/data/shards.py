@@ -8,13 +8,13 @@ shard's last ``< seq_len`` tokens are in no window). All windows of all shards a
 ``0 .. W - 1`` in shard order.
 
 Global sample ``g`` is window ``perm_e(g mod W)`` of epoch ``e = g // W``, where ``perm_e`` is
-a pseudo-random permutation of ``[0, W)`` keyed by ``(seed, e)``: a small Feistel network with
-cycle walking, computed per sample in a few vectorised NumPy operations and O(1) memory, so
-it scales to billions of windows. Every window is read exactly once per epoch, each epoch in a
-new order, and sample ``g`` depends only on ``(seed, g)``: the micro-batch size, the worker
-count and a resume do not change what is read. Rank ``r`` of ``R`` (a DDP rank or a DiLoCo
-node, sharing the seed) reads ``g = i * R + r`` (see
-:class:`~speedtronic.data.streams.IndexedTokenStream`).
+a pseudo-random permutation of ``[0, W)`` keyed by ``(seed, e)``: a keyed bijective mixer on
+the window number's bits (rounds of xor, odd multiply and xorshift) with cycle walking,
+computed per sample in O(1) memory, so it scales to billions of windows. Every window is read
+exactly once per epoch, each epoch in a new order, and sample ``g`` depends only on
+``(seed, g)``: the micro-batch size, the worker count and a resume do not change what is read.
+Rank ``r`` of ``R`` (a DDP rank or a DiLoCo node, sharing the seed) reads ``g = i * R + r``
+(see :class:`~speedtronic.data.streams.IndexedTokenStream`).
 
 Shards are opened lazily, per process, as ``numpy.memmap``: a process maps only the shards
 whose windows it reads, and nothing is loaded whole.
@@ -22,8 +22,10 @@ whose windows it reads, and nothing is loaded whole.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +43,14 @@ from speedtronic.data.format import (
     SPLITS,
 )
 from speedtronic.data.source import DataSource, stream_batches
-from speedtronic.data.streams import _GOLDEN, Batch, IndexedTokenStream, _mix64, _seed_key
+from speedtronic.data.streams import (
+    _GOLDEN,
+    _MASK64,
+    Batch,
+    IndexedTokenStream,
+    _mix64,
+    _seed_key,
+)
 from speedtronic.errors import DataError
 
 if TYPE_CHECKING:
@@ -57,8 +66,9 @@ __all__ = [
     "shard_source",
 ]
 
-_ROUNDS = 6
-_ROUND_KEYS = (np.arange(1, _ROUNDS + 1, dtype=np.uint64) * np.uint64(0xD1B54A32D192ED03))[None]
+_ROUNDS = 4
+_ROUND_SALTS = np.arange(1, _ROUNDS + 1, dtype=np.uint64) * np.uint64(0xD1B54A32D192ED03)
+_SCALAR_BELOW = 64
 _SHA256_HEX = frozenset("0123456789abcdef")
 
 
@@ -277,38 +287,88 @@ def _max_token(shard: Shard, dtype: np.dtype, chunk: int = 1 << 24) -> int:
         del tokens
 
 
+@functools.lru_cache(maxsize=64)
+def _round_keys(seed: int, epoch: int) -> tuple[tuple[int, int], ...]:
+    """The rounds' ``(xor key, odd multiplier)`` of one epoch: a pure function of (seed, epoch)."""
+    epoch_key = _mix64(
+        _seed_key(seed) ^ _mix64(np.array([epoch & _MASK64], np.uint64) * _GOLDEN + _GOLDEN)
+    )
+    keys = _mix64(epoch_key + _ROUND_SALTS)
+    multipliers = _mix64(epoch_key ^ _ROUND_SALTS * _GOLDEN) | np.uint64(1)
+    return tuple(zip(keys.tolist(), multipliers.tolist()))
+
+
+def _walk(value: int, size: int, bits: int, rounds: tuple[tuple[int, int], ...]) -> int:
+    """:func:`_walk_array` for one value, in Python integers (faster for a few values)."""
+    mask, shift = (1 << bits) - 1, (bits + 1) // 2
+    while True:
+        for key, multiplier in rounds:
+            value = ((value ^ key) * multiplier) & mask
+            value ^= value >> shift
+        if value < size:
+            return value
+
+
+def _walk_array(
+    values: np.ndarray, size: int, bits: int, rounds: tuple[tuple[int, int], ...]
+) -> np.ndarray:
+    """Cycle-walk ``values`` (uint64, all below ``size``) through a keyed bijection of
+    ``[0, 2**bits)``: rounds of xor with a key, multiplication by an odd number and an
+    xorshift, each a bijection of ``bits``-bit words. Walking until the value is below
+    ``size`` again is a bijection of ``[0, size)``; ``2**bits < 2 * size``, so about two
+    applications suffice on average."""
+    mask, shift, limit = np.uint64((1 << bits) - 1), np.uint64((bits + 1) // 2), np.uint64(size)
+    keys = [(np.uint64(key), np.uint64(multiplier)) for key, multiplier in rounds]
+
+    def mix(x: np.ndarray) -> np.ndarray:
+        for key, multiplier in keys:
+            x = ((x ^ key) * multiplier) & mask
+            x ^= x >> shift
+        return x
+
+    values = mix(values)
+    outside = values >= limit
+    while outside.any():
+        values = np.where(outside, mix(values), values)
+        outside = values >= limit
+    return values
+
+
 def permute_windows(
     positions: np.ndarray, size: int, seed: int, epochs: np.ndarray | int = 0
 ) -> np.ndarray:
     """Apply epoch ``epochs[i]``'s pseudo-random permutation of ``[0, size)`` (keyed by
     ``seed``) to ``positions[i]``; each epoch's map is a bijection of ``[0, size)``."""
     positions = np.asarray(positions, dtype=np.int64)
+    if positions.size and (positions.min() < 0 or positions.max() >= size):
+        raise ValueError(f"positions must lie in [0, {size})")
     if size <= 1:
         return np.zeros_like(positions)
+    bits = max(2, (size - 1).bit_length())
     epochs = np.broadcast_to(np.asarray(epochs, dtype=np.int64), positions.shape)
-    half = (max(2, (size - 1).bit_length()) + 1) // 2
-    shift, mask = np.uint64(half), np.uint64((1 << half) - 1)
-    epoch_keys = _mix64(_seed_key(seed) ^ _mix64(epochs.astype(np.uint64) * _GOLDEN + _GOLDEN))
-    keys = _mix64(epoch_keys[:, None] + _ROUND_KEYS)
-    out = positions.astype(np.uint64)
-    pending = np.arange(len(out))
-    limit = np.uint64(size)
-    # Cycle walking: a Feistel network permutes [0, 4**half) >= [0, size); re-applying it to
-    # the values that land outside [0, size) gives a permutation of [0, size) (fewer than four
-    # applications on average).
-    while pending.size:
-        left, right = out[pending] >> shift, out[pending] & mask
-        round_keys = keys[pending]
-        for r in range(_ROUNDS):
-            left, right = right, left ^ (_mix64(right ^ round_keys[:, r]) & mask)
-        out[pending] = (left << shift) | right
-        pending = pending[out[pending] >= limit]
+    if positions.size <= _SCALAR_BELOW:  # a micro-batch: Python integers beat NumPy's overhead
+        flat = [
+            _walk(position, size, bits, _round_keys(seed, epoch))
+            for position, epoch in zip(positions.ravel().tolist(), epochs.ravel().tolist())
+        ]
+        return np.array(flat, dtype=np.int64).reshape(positions.shape)
+    out = np.empty(positions.shape, dtype=np.uint64)
+    for epoch in np.unique(epochs).tolist():
+        mask = epochs == epoch
+        out[mask] = _walk_array(
+            positions[mask].astype(np.uint64), size, bits, _round_keys(seed, epoch)
+        )
     return out.astype(np.int64)
 
 
 class ShardTokenStream(IndexedTokenStream):
     """``seq_len + 1``-token windows of memory-mapped shards, in a seeded per-epoch shuffle
-    (``shuffle=True``) or in shard order (``shuffle=False``, for evaluation)."""
+    (``shuffle=True``) or in shard order (``shuffle=False``, for evaluation).
+
+    A process keeps at most ``max_open`` shards mapped (each map holds a file descriptor),
+    unmapping the least recently used one beyond that."""
+
+    max_open = 256
 
     def __init__(
         self,
@@ -339,7 +399,7 @@ class ShardTokenStream(IndexedTokenStream):
                 f"({len(self.shards)} shards, the largest has {largest} tokens)"
             )
         self._first_window = np.concatenate([[0], np.cumsum(counts)])
-        self._maps: dict[int, np.ndarray] = {}
+        self._maps: OrderedDict[int, np.ndarray] = OrderedDict()
         self._pid = -1
 
     def window_ids(self, indices: np.ndarray) -> np.ndarray:
@@ -368,10 +428,15 @@ class ShardTokenStream(IndexedTokenStream):
 
     def _shard(self, number: int) -> np.ndarray:
         if self._pid != os.getpid():  # a DataLoader worker: map its own
-            self._maps, self._pid = {}, os.getpid()
+            self._maps, self._pid = OrderedDict(), os.getpid()
         tokens = self._maps.get(number)
         if tokens is None:
+            if len(self._maps) >= self.max_open:
+                # Each map holds a file descriptor: keep the most recently used ones only.
+                self._maps.popitem(last=False)
             tokens = self._maps[number] = self._open_shard(number)
+        else:
+            self._maps.move_to_end(number)
         return tokens
 
     def _open_shard(self, number: int) -> np.ndarray:
@@ -388,11 +453,15 @@ class ShardTokenStream(IndexedTokenStream):
                 f"{self.where}: shard {shard.path} changed after it was checked: {size} bytes, "
                 f"expected {shard.tokens * self.dtype.itemsize}"
             )
-        return np.memmap(shard.path, dtype=self.dtype, mode="r", shape=(shard.tokens,))
+        # A plain ndarray view of the map (the map stays alive as its base): slicing a
+        # np.memmap builds a memmap object per slice, several times slower.
+        return np.memmap(shard.path, dtype=self.dtype, mode="r", shape=(shard.tokens,)).view(
+            np.ndarray
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_maps"], state["_pid"] = {}, -1
+        state["_maps"], state["_pid"] = OrderedDict(), -1
         return state
 
 

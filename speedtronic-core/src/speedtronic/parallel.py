@@ -1,0 +1,185 @@
+"""Data parallel inside one machine: torch.distributed process groups and DDP.
+
+A run launched by ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) or by
+``speedtronic train --nproc-per-node N`` (which starts the ranks through torch's own elastic
+launcher) trains one model replica per process: each rank reads its own disjoint share of the
+samples, gradients are averaged by DistributedDataParallel, and rank 0 alone writes checkpoints
+and metrics. The cross-machine part stays DumbDiLoCo; FSDP, tensor and pipeline parallelism are
+non-goals, but the ``parallel`` section has a ``strategy`` so one can be added later.
+
+:class:`ParallelContext` is what the rest of the engine sees: ``rank``, ``world_size``,
+``is_main``, and the few collectives it needs (a mean of a device scalar at the log cadence, a
+barrier around checkpoints, broadcasting a small object). On one process every collective is a
+no-op, so code paths are the same with and without DDP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from speedtronic.errors import ConfigError, SpeedtronicError
+
+__all__ = ["SINGLE_PROCESS", "ParallelContext", "init_parallel", "launched_world_size"]
+
+log = logging.getLogger("speedtronic.parallel")
+
+
+def launched_world_size() -> int:
+    """``WORLD_SIZE`` from the environment torchrun sets (1 when not launched by it)."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+@dataclass
+class ParallelContext:
+    """Where this process stands in the run: rank, world size and the device it trains on."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: str | None = None
+    device: torch.device | None = None
+    owns_group: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        """True when several processes train together (DDP)."""
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the process that writes checkpoints and metrics."""
+        return self.rank == 0
+
+    def mean(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean of a scalar over all ranks (a copy; the input is unchanged)."""
+        if not self.enabled:
+            return value
+        import torch.distributed as dist
+
+        reduced = value.detach().clone().float()
+        dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
+        return reduced / self.world_size
+
+    def sum(self, value: torch.Tensor) -> torch.Tensor:
+        """The sum of a tensor over all ranks (a copy)."""
+        if not self.enabled:
+            return value
+        import torch.distributed as dist
+
+        reduced = value.detach().clone()
+        dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
+        return reduced
+
+    def barrier(self) -> None:
+        """Wait until every rank got here."""
+        if self.enabled:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def broadcast(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank (a small picklable object: a decision, a step)."""
+        if not self.enabled:
+            return value
+        import torch.distributed as dist
+
+        holder = [value]
+        dist.broadcast_object_list(holder, src=0)
+        return holder[0]
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, in rank order, on every rank (small objects only)."""
+        if not self.enabled:
+            return [value]
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, value)
+        return gathered
+
+    def close(self) -> None:
+        """Destroy the process group this context created (no-op otherwise)."""
+        if self.owns_group:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                # Leave together: a rank that tears gloo down while a peer is still talking
+                # to it aborts the peer.
+                with contextlib.suppress(Exception):
+                    dist.barrier()
+                dist.destroy_process_group()
+            self.owns_group = False
+
+
+SINGLE_PROCESS = ParallelContext()
+
+
+def init_parallel(section: Any, requested_device: str) -> ParallelContext:
+    """Join the process group torchrun described in the environment, when the ``parallel``
+    section and the launch ask for DDP; otherwise the single-process context.
+
+    ``section`` is the ``parallel`` config section. Each rank trains on ``cuda:LOCAL_RANK`` on a
+    GPU machine and on the CPU otherwise; the backend defaults to NCCL on CUDA and gloo on CPU.
+    """
+    world = launched_world_size()
+    if section.strategy == "none" or (section.strategy == "auto" and world == 1):
+        if world > 1:
+            log.warning(
+                "launched with WORLD_SIZE=%d but parallel.strategy is none: every rank trains "
+                "on its own",
+                world,
+            )
+        return SINGLE_PROCESS
+    if world == 1:
+        raise ConfigError(
+            "is ddp, but this process was not launched with several ranks: use "
+            "`speedtronic train --nproc-per-node N` or `torchrun --nproc-per-node N -m "
+            "speedtronic train ...`",
+            "parallel.strategy",
+        )
+    import torch.distributed as dist
+
+    try:
+        rank = int(os.environ["RANK"])
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    except (KeyError, ValueError):
+        raise SpeedtronicError(
+            "WORLD_SIZE is set but RANK is missing or not a number: launch with torchrun"
+        ) from None
+    use_cuda = requested_device in ("auto", "cuda") and torch.cuda.is_available()
+    backend = section.backend
+    if backend == "auto":
+        backend = "nccl" if use_cuda else "gloo"
+    if backend == "nccl" and not use_cuda:
+        raise ConfigError("is nccl, which needs CUDA; use gloo on CPU", "parallel.backend")
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    owns = False
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend, timeout=datetime.timedelta(seconds=section.timeout)
+        )
+        owns = True
+    context = ParallelContext(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        backend=backend,
+        device=device,
+        owns_group=owns,
+    )
+    log.info(
+        "data parallel: rank %d of %d (%s, %s)", context.rank, context.world_size, backend, device
+    )
+    return context

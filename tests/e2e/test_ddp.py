@@ -1,0 +1,260 @@
+"""Data parallel inside a node, as real torchrun processes on the CPU (gloo).
+
+Each test starts the ranks through ``speedtronic train --nproc-per-node 2`` (torch's elastic
+launcher) and reads back what rank 0 wrote (the JSONL metric file, checkpoints). Waits are
+bounded polls on files the processes write, never assumptions about speed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+WAIT = 240  # seconds any one launch may take on a loaded machine
+
+# Loaded by every rank with --plugin: counts DDP's gradient all-reduces per optimizer step,
+# and can stop or kill a rank at a chosen step (set through environment variables).
+PROBE = """
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+from speedtronic import hookimpl
+
+OUT = Path(os.environ["PROBE_DIR"])
+_calls = {"reduce": 0}
+
+
+@hookimpl
+def on_train_start(trainer):
+    if trainer.ddp is None or os.environ.get("PROBE_COUNT") != "1":
+        return
+
+    def counting(state, bucket):
+        _calls["reduce"] += 1
+        import torch.distributed as dist
+
+        tensor = bucket.buffer()
+        tensor.div_(dist.get_world_size())
+        work = dist.all_reduce(tensor, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+
+    trainer.ddp.register_comm_hook(None, counting)
+
+
+@hookimpl
+def after_optimizer_step(trainer, step):
+    rank = trainer.parallel.rank
+    if os.environ.get("PROBE_COUNT") == "1":
+        with open(OUT / f"reduces_rank{rank}.jsonl", "a") as handle:
+            handle.write(json.dumps({"step": step, "reduces": _calls["reduce"]}) + "\\n")
+        _calls["reduce"] = 0
+    if str(step) == os.environ.get("PROBE_KILL_AT") and rank == 1:
+        (OUT / "killed").write_text(str(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    if str(step) == os.environ.get("PROBE_HOLD_AT"):
+        (OUT / f"holding_rank{rank}").write_text(str(os.getpid()))
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:  # until the test kills us
+            time.sleep(0.05)
+"""
+
+
+def write_config(directory: Path, **overrides: Any) -> Path:
+    config: dict[str, Any] = {
+        "run": {"device": "cpu", "max_steps": 8, "seed": 3, "output_dir": str(directory / "run")},
+        "model": {
+            "name": "reference_transformer",
+            "vocab_size": 260,
+            "max_seq_len": 16,
+            "n_layer": 1,
+            "n_head": 2,
+            "d_model": 32,
+        },
+        "data": {"micro_batch_size": 4, "target_batch_size": 8},
+        "optimizer": {"lr": 3e-3},
+        "precision": {"mode": "fp32"},
+        "checkpoint": {"interval": 4},
+        "logging": {
+            "log_every": 1,
+            "progress": False,
+            "json_file": str(directory / "run" / "metrics.jsonl"),
+        },
+    }
+    for section, values in overrides.items():
+        config.setdefault(section, {}).update(values)
+    path = directory / "config.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def environment(directory: Path, **probe: str) -> dict[str, str]:
+    (directory / "ddp_probe.py").write_text(textwrap.dedent(PROBE))
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(directory), os.environ.get("PYTHONPATH", "")]),
+        "PROBE_DIR": str(directory),
+        "OMP_NUM_THREADS": "1",
+        **probe,
+    }
+
+
+def command(config: Path, nproc: int | None, *extra: str) -> list[str]:
+    line = [sys.executable, "-m", "speedtronic", "train", "-c", str(config), *extra]
+    line += ["--plugin", "ddp_probe"]
+    return line + (["--nproc-per-node", str(nproc)] if nproc else [])
+
+
+def run(config: Path, nproc: int | None, env: dict[str, str], *extra: str) -> None:
+    done = subprocess.run(
+        command(config, nproc, *extra), capture_output=True, text=True, timeout=WAIT, env=env
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+
+
+def losses(directory: Path) -> dict[int, float]:
+    lines = (directory / "run" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    return {r["step"]: r["loss"] for r in records if r["event"] == "step"}
+
+
+def assert_same_curve(a: dict[int, float], b: dict[int, float]) -> None:
+    assert set(a) == set(b) and a
+    for step in a:
+        assert abs(a[step] - b[step]) <= 1e-5, (step, a[step], b[step])
+
+
+def test_two_ranks_of_micro_4_follow_one_process_of_micro_8(tmp_path: Path) -> None:
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    for directory in (single, ddp):
+        directory.mkdir()
+    run(
+        write_config(single, data={"micro_batch_size": 8, "target_batch_size": 8}),
+        None,
+        environment(single),
+    )
+    run(write_config(ddp), 2, environment(ddp))
+    assert_same_curve(losses(single), losses(ddp))
+    # Rank 0 alone wrote the metrics: one step line per step, global sample counts.
+    records = [json.loads(x) for x in (ddp / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["event"] == "step"]
+    assert [r["step"] for r in steps] == list(range(1, 9)) and steps[-1]["samples"] == 64
+
+
+def test_token_shards_split_over_ranks_follow_one_process(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"document {i}: " + "abcdefgh " * (5 + i) for i in range(60)))
+    shards = tmp_path / "shards"
+    prepared = subprocess.run(
+        [
+            *(sys.executable, "-m", "speedtronic", "data", "prepare", str(corpus)),
+            *("--out", str(shards), "--blank-line-documents", "--workers", "1", "--no-progress"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=WAIT,
+    )
+    assert prepared.returncode == 0, prepared.stderr
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    for directory in (single, ddp):
+        directory.mkdir()
+    data = {"shards": str(shards)}
+    run(
+        write_config(single, data={**data, "micro_batch_size": 8, "target_batch_size": 8}),
+        None,
+        environment(single),
+    )
+    run(write_config(ddp, data=data), 2, environment(ddp))
+    assert_same_curve(losses(single), losses(ddp))
+
+
+def test_accumulation_all_reduces_once_per_optimizer_step(tmp_path: Path) -> None:
+    config = write_config(
+        tmp_path, data={"micro_batch_size": 2, "target_batch_size": 16}, run={"max_steps": 3}
+    )
+    run(config, 2, environment(tmp_path, PROBE_COUNT="1"))
+    for rank in (0, 1):
+        lines = (tmp_path / f"reduces_rank{rank}.jsonl").read_text().splitlines()
+        counts = [json.loads(line)["reduces"] for line in lines]
+        assert counts == [1, 1, 1]  # 4 micro-batches per step, one all-reduce (no_sync)
+
+
+def wait_for(path: Path, process: subprocess.Popen[Any]) -> None:
+    deadline = time.monotonic() + WAIT
+    while not path.exists():
+        assert process.poll() is None, process.communicate()[1][-4000:]
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.1)
+
+
+def test_sigkill_after_a_checkpoint_then_resume_equals_an_uninterrupted_run(
+    tmp_path: Path,
+) -> None:
+    straight, chain = tmp_path / "straight", tmp_path / "chain"
+    for directory in (straight, chain):
+        directory.mkdir()
+    run(write_config(straight), 2, environment(straight))
+    config = write_config(chain)
+    process = subprocess.Popen(
+        command(config, 2),
+        env=environment(chain, PROBE_HOLD_AT="6"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        for rank in (0, 1):
+            wait_for(chain / f"holding_rank{rank}", process)
+        assert (chain / "run" / "checkpoints" / "step_00000004").is_dir()
+    finally:
+        # torchrun starts each rank in a session of its own: SIGKILL the launcher and every
+        # rank, as a machine failure would.
+        os.killpg(process.pid, signal.SIGKILL)
+        for rank in (0, 1):
+            marker = chain / f"holding_rank{rank}"
+            if marker.exists():
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(marker.read_text()), signal.SIGKILL)
+        process.communicate(timeout=WAIT)
+    run(config, 2, environment(chain), "--resume")
+    assert_same_curve(losses(straight), losses(chain))  # steps 5-6 were redone exactly
+
+
+def test_a_killed_rank_ends_the_run_on_every_rank_and_keeps_the_checkpoint(
+    tmp_path: Path,
+) -> None:
+    config = write_config(tmp_path, run={"max_steps": 40})
+    process = subprocess.Popen(
+        command(config, 2),
+        env=environment(tmp_path, PROBE_KILL_AT="6"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        wait_for(tmp_path / "killed", process)
+        _, stderr = process.communicate(timeout=60)  # the survivor must not hang
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode != 0
+    assert "error: a rank failed" in stderr
+    from speedtronic.checkpoint import CheckpointManager
+
+    assert CheckpointManager(tmp_path / "run" / "checkpoints").load_latest().step == 4
