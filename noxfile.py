@@ -25,7 +25,13 @@ nox.options.reuse_existing_virtualenvs = True
 
 def install_all(session: nox.Session) -> None:
     session.install(*CONSTRAINTS, "torch")
-    extras = {"speedtronic-logging": "[all]"}
+    # Every optional ecosystem piece the tests exercise for real: tokenizers and pyarrow for
+    # `data prepare`, transformers for hf_causal_lm and export, W&B and TensorBoard.
+    extras = {
+        "speedtronic-core": "[tokenizers,parquet]",
+        "speedtronic-models": "[transformers]",
+        "speedtronic-logging": "[all]",
+    }
     editable = [
         arg for dist in DISTRIBUTIONS for arg in ("-e", f"{ROOT / dist}{extras.get(dist, '')}")
     ]

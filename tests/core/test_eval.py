@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import json
+import math
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -179,3 +181,28 @@ def test_a_corrupt_checkpoint_is_one_clear_error(tmp_path: Path) -> None:
     (newest / "tensors.safetensors").write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match=r"step_00000004.* (bytes|sha256)"):
         CheckpointManager(tmp_path / "checkpoints").load(str(newest))
+
+
+def test_a_text_holdout_is_never_read_by_training(tmp_path: Path) -> None:
+    text = tmp_path / "corpus.txt"
+    rng = random.Random(5)
+    text.write_bytes(bytes(rng.randrange(32, 127) for _ in range(20_000)))
+    config = run_config(
+        tmp_path, data={"text_path": str(text)}, eval={"holdout_fraction": 0.1, "batches": 4}
+    )
+    runtime = build_runtime(config, console=False)
+    assert "last 10% held out" in runtime.data.description
+    held_out = {
+        tuple(row.tolist())
+        for batch in runtime.trainer.evaluator._held_out()
+        for row in batch["input_ids"]
+    }
+    blocks = (20_000 - 1) // 16
+    # More than an epoch of training reads: every training block, wrapped around.
+    trained = {
+        tuple(row.tolist())
+        for _, batch in zip(range(blocks), runtime.data.iterate(0))
+        for row in batch["input_ids"]
+    }
+    assert len(held_out) == 4 * 2 and not held_out & trained
+    assert len(trained) == blocks - math.ceil(blocks * 0.1)

@@ -82,7 +82,7 @@ HOOKS = plugins.hook_names()
 
 def test_the_hook_list_is_complete() -> None:
     specs = [name for name, fn in vars(hookspecs).items() if hasattr(fn, "speedtronic_spec")]
-    assert specs == HOOKS and len(HOOKS) == 12
+    assert specs == HOOKS and len(HOOKS) == 13
 
 
 @pytest.mark.parametrize("name", HOOKS)
@@ -369,6 +369,35 @@ def test_hook_config_sections(register: Register) -> None:
     assert config.to_dict()["recorder"] == {"label": "x"}
     with pytest.raises(ConfigError, match=r"recorder\.lable: unknown key; did you mean 'label'"):
         SpeedtronicConfig.from_dict({"recorder": {"lable": "x"}})
+
+
+def test_hook_data_rank(register: Register, tmp_path: Path) -> None:
+    class Ranks:
+        def __init__(self, rank: int) -> None:
+            self.rank = rank
+
+        @hookimpl
+        def data_rank(self, config: Any) -> tuple[int, int]:
+            return (self.rank, 3)
+
+    def samples(rank: int) -> set[tuple[int, ...]]:
+        name = register(Ranks(rank), f"core-test-rank-{rank}")
+        try:
+            runtime = build_runtime(tiny_config(tmp_path / str(rank)), console=False)
+        finally:
+            plugins.unregister(name)
+        runtime.metrics.close()
+        batches = [b for _, b in zip(range(4), runtime.data.iterate(0))]
+        return {tuple(row.tolist()) for b in batches for row in b["input_ids"]}
+
+    ranks = [samples(rank) for rank in range(3)]
+    assert all(ranks) and not (ranks[0] & ranks[1] or ranks[1] & ranks[2] or ranks[0] & ranks[2])
+    config = tiny_config(tmp_path)
+    single = build_dataloader(config, seq_len=8, vocab_size=16)
+    everything = {
+        tuple(row.tolist()) for _, b in zip(range(12), single.iterate(0)) for row in b["input_ids"]
+    }
+    assert ranks[0] | ranks[1] | ranks[2] == everything  # together: the single-process samples
 
 
 def test_hook_data_seed(register: Register, tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ Any ``nn.Module`` that maps a batch to a loss works: a tensor, ``{"loss": ...}``
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ import torch
 from speedtronic.errors import SpeedtronicError
 
 __all__ = [
+    "aux_metrics",
     "batch_size_and_tokens",
     "call_model",
     "label_mode",
@@ -110,3 +112,25 @@ def labels_as_inputs(batch: Any) -> Any:
     if isinstance(batch, dict) and "input_ids" in batch and "labels" in batch:
         return {**batch, "labels": batch["input_ids"]}
     return batch
+
+
+def aux_metrics(output: Any) -> dict[str, torch.Tensor]:
+    """The model's extra scalars: 0-dim tensor entries of a mapping output besides ``loss``,
+    and the entries of a ``metrics`` mapping inside it (tensors or numbers), detached and
+    still on the device (no host sync)."""
+    if not isinstance(output, Mapping):
+        return {}
+    found: dict[str, torch.Tensor] = {}
+    for key, value in output.items():
+        if key in ("loss", "metrics"):
+            continue
+        if isinstance(value, torch.Tensor) and value.ndim == 0:
+            found[str(key)] = value.detach().float()
+    extra = output.get("metrics")
+    if isinstance(extra, Mapping):
+        for key, value in extra.items():
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                found[str(key)] = value.detach().float().reshape(())
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                found[str(key)] = torch.tensor(float(value))
+    return found

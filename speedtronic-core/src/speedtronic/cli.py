@@ -95,8 +95,13 @@ def _launch_ranks(nproc: int, config: SpeedtronicConfig, argv: Sequence[str]) ->
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    """``speedtronic validate``: print the resolved config with secrets redacted."""
+    """``speedtronic validate``: check that the run would build (model on the meta device, its
+    data against it) and print the resolved config with secrets redacted."""
     config = _load_config(args)
+    if not args.config_only:
+        from speedtronic.runtime import check_runtime
+
+        log.info("checked: %s", check_runtime(config))
     if args.format == "json":
         print(config.to_json(redact=True))
     else:
@@ -179,6 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--config", "-c", required=True, help="YAML or JSON config file")
     validate.add_argument(
         "--format", choices=("yaml", "json"), default="yaml", help="output format (default yaml)"
+    )
+    validate.add_argument(
+        "--config-only",
+        action="store_true",
+        help="check the config file alone, without building the model (meta device) and data",
     )
     validate.add_argument(
         "--set",

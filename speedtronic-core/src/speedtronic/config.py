@@ -19,6 +19,7 @@ from typing import Any, Literal
 import yaml
 
 from speedtronic.errors import ConfigError, PluginError
+from speedtronic.registry import IMPORT_PATH
 from speedtronic.schema import (
     REDACTED,
     Section,
@@ -134,6 +135,14 @@ class DataConfig(Section):
     )
     pin_memory: bool = option(False, help="Pin host memory for faster CUDA copies.")
     shuffle: bool = option(False, help="Shuffle a map-style dataset (streams ignore it).")
+    dataset: str | None = option(
+        None,
+        help="Your own Dataset/IterableDataset from YAML: an import path `package.module:factory` "
+        "called with `dataset_args` (and `rank`/`num_ranks` when it takes them). No pickle.",
+    )
+    dataset_args: dict[str, Any] = option(
+        default_factory=dict, help="Keyword arguments for the `dataset` factory."
+    )
     labels: Literal["shifted", "inputs"] | None = option(
         None,
         help="What `labels` holds in a batch: `shifted` (labels[i] is the token after input i, "
@@ -151,6 +160,13 @@ class DataConfig(Section):
             )
         if self.shards and self.text_path:
             raise ConfigError("set data.shards or data.text_path, not both", "shards")
+        if self.dataset and (self.shards or self.text_path):
+            raise ConfigError("set one data source: dataset, shards or text_path", "dataset")
+        if self.dataset is not None and not IMPORT_PATH.match(self.dataset):
+            raise ConfigError(
+                f"must be an import path like package.module:factory, got {self.dataset!r:.80}",
+                "dataset",
+            )
 
     @property
     def accumulation_steps(self) -> int:

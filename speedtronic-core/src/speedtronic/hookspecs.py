@@ -24,6 +24,7 @@ __all__ = [
     "after_optimizer_step",
     "build_model",
     "config_sections",
+    "data_rank",
     "data_seed",
     "export_model",
     "hookimpl",
@@ -128,6 +129,17 @@ def data_seed(config: Any, seed: int) -> int | None:
 
     Lets a plugin give each participant of a multi-node run its own samples (DumbDiLoCo derives
     it from the node id) without touching the user's config. The first non-``None`` answer wins.
+    """
+
+
+@hookspec(firstresult=True)
+def data_rank(config: Any) -> tuple[int, int] | None:
+    """Return ``(rank, count)`` when this process is one of ``count`` participants that must
+    read disjoint samples (DumbDiLoCo: a node's rank among the run's nodes), or ``None``.
+
+    Every built-in source (synthetic, byte-level text, token shards, map-style user datasets)
+    is split by it: participant ``r`` of ``R`` reads the samples ``i * R + r``. Under DDP each
+    participant's share is split further over its ranks. The first non-``None`` answer wins.
     """
 
 

@@ -295,6 +295,8 @@ class ThroughputMeter:
         import torch
 
         self.loss_sum = torch.zeros((), device=self.device)
+        self.aux_sums: dict[str, Any] = {}
+        self.aux_steps: dict[str, int] = {}
         self.steps = 0
         self.samples = 0
         self.tokens = 0
@@ -305,10 +307,15 @@ class ThroughputMeter:
         self.samples += samples
         self.tokens += tokens
 
-    def count_step(self, loss: Any) -> None:
-        """A completed optimizer step and its loss (a device scalar; no host sync here)."""
+    def count_step(self, loss: Any, aux: dict[str, Any] | None = None) -> None:
+        """A completed optimizer step, its loss and the model's extra scalars (device scalars;
+        no host sync here)."""
         self.loss_sum += loss
         self.steps += 1
+        for key, value in (aux or {}).items():
+            previous = self.aux_sums.get(key)
+            self.aux_sums[key] = value if previous is None else previous + value
+            self.aux_steps[key] = self.aux_steps.get(key, 0) + 1
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -324,6 +331,19 @@ class ThroughputMeter:
         ranks) is applied to the summed loss first."""
         total = self.loss_sum if reduce is None else reduce(self.loss_sum)
         return float(total.item() / max(self.steps, 1))
+
+    def mean_aux(
+        self, reduce: Callable[[Any], Any] | None = None, reserved: Iterable[str] = ()
+    ) -> dict[str, float]:
+        """The window's mean of each model-returned scalar (one host sync each, at the log
+        cadence); a name in ``reserved`` is reported as ``model/<name>``."""
+        taken = set(reserved)
+        means = {}
+        for key, total in self.aux_sums.items():
+            value = total if reduce is None else reduce(total)
+            name = f"model/{key}" if key in taken else key
+            means[name] = float(value.item() / self.aux_steps[key])
+        return means
 
     def rates(self) -> dict[str, float]:
         """steps/samples/tokens per second over the window's training time."""

@@ -19,11 +19,12 @@ from torch import nn
 
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.data import DataSource, Tokenizer, build_dataloader
+from speedtronic.errors import ConfigError, PluginError
 from speedtronic.metrics import ConsoleSink, JsonlSink, MetricLogger, TextFileSink, import_hook
-from speedtronic.parallel import init_parallel
+from speedtronic.parallel import SINGLE_PROCESS, init_parallel
 from speedtronic.parts import build_parts, model_limits
 from speedtronic.plugins import get_plugin_manager
-from speedtronic.registry import build_model_from_hook
+from speedtronic.registry import build_model_from_hook, import_factory
 from speedtronic.shape_advice import warn_shape_advice
 from speedtronic.trainer import Trainer, TrainResult
 
@@ -31,6 +32,9 @@ __all__ = [
     "Runtime",
     "build_metric_logger",
     "build_runtime",
+    "check_runtime",
+    "data_rank",
+    "dataset_from_config",
     "seed_everything",
     "train_from_config",
 ]
@@ -72,6 +76,63 @@ def build_metric_logger(
     return MetricLogger(sinks)
 
 
+def data_rank(config: SpeedtronicConfig, parallel: Any = None) -> tuple[int, int]:
+    """``(rank, count)`` of this process among everything that must read disjoint samples:
+    the ``data_rank`` hook's participant (a DiLoCo node) times the DDP ranks inside it. A
+    dataset you build yourself should honour it (``(0, 1)``: read everything)."""
+    answer = get_plugin_manager().hook.data_rank(config=config)
+    node, nodes = answer if answer is not None else (0, 1)
+    if not (isinstance(node, int) and isinstance(nodes, int) and 0 <= node < nodes):
+        raise PluginError(f"the data_rank hook answered {answer!r}; expected (rank, count)")
+    inner = parallel if parallel is not None else SINGLE_PROCESS
+    return node * inner.world_size + inner.rank, nodes * inner.world_size
+
+
+def dataset_from_config(config: SpeedtronicConfig, rank: int = 0, num_ranks: int = 1) -> Any:
+    """The dataset ``data.dataset`` names (``package.module:factory``), called with
+    ``data.dataset_args`` and, when the factory takes them, ``rank`` and ``num_ranks``."""
+    import inspect
+
+    factory = import_factory(config.data.dataset or "", "data.dataset")
+    kwargs = dict(config.data.dataset_args)
+    try:
+        parameters = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        parameters = {}
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+    for name, value in (("rank", rank), ("num_ranks", num_ranks)):
+        if name in parameters or takes_any:
+            kwargs.setdefault(name, value)
+    try:
+        return factory(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(
+            f"calling {config.data.dataset} failed: {exc}", "data.dataset_args"
+        ) from None
+
+
+def check_runtime(config: Any) -> str:
+    """Check that ``config`` would build: the model (on the meta device, so no weights are
+    allocated), its data and eval data against the model's limits, a ``data.dataset`` factory's
+    import path. Raises the same one-line errors ``train`` would; returns a short summary."""
+    config = SpeedtronicConfig.load(config)
+    with torch.device("meta"):
+        model = build_model_from_hook(config.model.name, **config.model.params)
+    limits = model_limits(model, config.model.params)
+    parameters = sum(p.numel() for p in model.parameters())
+    if config.data.dataset:
+        import_factory(config.data.dataset, "data.dataset")
+        data_text = f"dataset {config.data.dataset}"
+    else:
+        data_text = build_dataloader(config, **limits).description
+    if config.eval.configured:
+        from speedtronic.eval import build_eval_source
+
+        source = build_eval_source(config, **limits)
+        data_text += f"; eval: {getattr(source, 'description', type(source).__name__)}"
+    return f"model {config.model.name}: {parameters:,} parameters; data: {data_text}"
+
+
 def build_runtime(
     config: Any,
     *,
@@ -102,14 +163,17 @@ def build_runtime(
         warn_shape_advice(model)
     seed = config.data_seed
     adjusted = pm.hook.data_seed(config=config, seed=seed)
+    rank, num_ranks = data_rank(config, parallel)
+    if dataset is None and config.data.dataset:
+        dataset = dataset_from_config(config, rank, num_ranks)
     data = build_dataloader(
         config,
         dataset,
         tokenizer,
         **model_limits(model, config.model.params),
         seed=adjusted if adjusted is not None else seed,
-        rank=parallel.rank,
-        num_ranks=parallel.world_size,
+        rank=rank,
+        num_ranks=num_ranks,
     )
     log.info("data: %s", data.description)
     # Under DDP, rank 0 alone prints and writes metric files.

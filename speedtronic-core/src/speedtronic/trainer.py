@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from speedtronic.batch import (
+    aux_metrics,
     batch_size_and_tokens,
     call_model,
     labels_as_inputs,
@@ -62,6 +63,22 @@ class TrainResult:
     resumed_from: int | None = None
     summary: dict[str, Any] = field(default_factory=dict)
 
+
+# The keys of a `step` event; a model-returned metric of the same name is logged as model/<name>.
+STEP_KEYS = frozenset(
+    {
+        "step",
+        "loss",
+        "lr",
+        "grad_norm",
+        "steps_per_sec",
+        "samples_per_sec",
+        "tokens_per_sec",
+        "memory_mb",
+        "samples",
+        "tokens",
+    }
+)
 
 # GradScaler halves its scale on every overflow; after this many skipped attempts in a row the
 # loss itself is not finite and retrying cannot help.
@@ -210,6 +227,7 @@ class Trainer:
         # The last loss read at the log cadence; kept so a run that fails still reports it.
         self.last_loss: float | None = None
         self._resumed_rng: dict[str, Any] | None = None
+        self._step_aux: dict[str, torch.Tensor] = {}
         self._consecutive_skips = 0
 
     # ------------------------------------------------------------------ events
@@ -445,12 +463,20 @@ class Trainer:
         loss (fp32, unscaled, still on the device)."""
         accumulating = len(batches) > 1
         losses = []
+        self._step_aux = {}
         for index, batch in enumerate(batches):
             last = index == len(batches) - 1
             # Under DDP only the last micro-batch's backward all-reduces the gradients.
             with self.ddp.no_sync() if self.ddp is not None and not last else nullcontext():
                 with self.precision.autocast(self.device):
-                    loss = loss_of(call_model(model, batch))
+                    output = call_model(model, batch)
+                    loss = loss_of(output)
+                for key, value in aux_metrics(output).items():
+                    # The step's mean of each model-returned scalar, kept on the device.
+                    scaled = value.to(self.device) / len(batches)
+                    previous = self._step_aux.get(key)
+                    self._step_aux[key] = scaled if previous is None else previous + scaled
+                del output
                 # Each micro-batch loss is a mean; dividing by their count makes the summed
                 # gradients those of the mean over the whole optimizer batch.
                 self.scaler.scale(loss / len(batches) if accumulating else loss).backward()
@@ -636,7 +662,7 @@ class Trainer:
             self._consecutive_skips = 0
             self.scheduler.step()
             self.step += 1
-            meter.count_step(step_loss)
+            meter.count_step(step_loss, self._step_aux)
             self.metrics.progress(self.step)
 
             replaced = self.plugin_manager.hook.after_optimizer_step(
@@ -662,6 +688,7 @@ class Trainer:
                         "memory_mb": process_memory_mb(self.device),
                         "samples": self.samples_seen,
                         "tokens": self.tokens_seen,
+                        **meter.mean_aux(self.parallel.mean, reserved=STEP_KEYS),
                     },
                 )
                 meter.reset()

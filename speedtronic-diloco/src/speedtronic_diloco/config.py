@@ -11,11 +11,23 @@ from speedtronic.errors import ConfigError
 from speedtronic.schema import Section, build_section, option
 from speedtronic_diloco.identity import validate_node_id
 
-__all__ = ["DEFAULT_STATE_DIR", "DistributedConfig", "distributed_config", "resolve_state_dir"]
+__all__ = [
+    "DEFAULT_STATE_DIR",
+    "MAX_OUTER_LR",
+    "MAX_SECONDS",
+    "DistributedConfig",
+    "distributed_config",
+    "resolve_state_dir",
+]
 
 #: The local state root when ``distributed.state_dir`` is unset: under ``run.output_dir`` for a
 #: trainer run, under the working directory for a coordinator built by hand.
 DEFAULT_STATE_DIR = "diloco"
+#: Upper bound of every duration option (seconds): a day. A larger value is a typo, and a
+#: huge one overflows the waits it feeds (``poll_interval: 1e300`` killed the outer thread).
+MAX_SECONDS = 86_400.0
+#: Upper bound of ``outer_lr``: DiLoCo uses about 0.7; ``1e300`` publishes a non-finite global.
+MAX_OUTER_LR = 10.0
 
 
 @dataclass
@@ -31,6 +43,17 @@ class DistributedConfig(Section):
         None,
         help="Unique, path-safe id of this node; defaults to $HF_USERNAME, then $USER, "
         "then `local`.",
+    )
+    num_nodes: int | None = option(
+        None,
+        ge=1,
+        le=1_000_000,
+        help="How many nodes the run has. With `node_rank`, every data source (text, shards, "
+        "datasets) is split so nodes read disjoint samples; unset: each node only draws the "
+        "synthetic stream from a seed of its own.",
+    )
+    node_rank: int | None = option(
+        None, ge=0, help="This node's index in 0 .. num_nodes - 1 (with `num_nodes`)."
     )
     repo_id: str | None = option(
         None,
@@ -49,10 +72,13 @@ class DistributedConfig(Section):
     poll_interval: float = option(
         60.0,
         ge=0,
+        le=MAX_SECONDS,
         help="Seconds between polls for new global weights (and between the "
-        "master's outer rounds); boundaries always poll.",
+        "master's outer rounds); boundaries always poll. At most one day.",
     )
-    outer_lr: float = option(0.7, gt=0, help="Learning rate of the outer Nesterov SGD.")
+    outer_lr: float = option(
+        0.7, gt=0, le=MAX_OUTER_LR, help="Learning rate of the outer Nesterov SGD (at most 10)."
+    )
     outer_momentum: float = option(0.9, ge=0, lt=1, help="Momentum of the outer Nesterov SGD.")
     reset_inner_optimizer: bool = option(
         True,
@@ -84,10 +110,132 @@ class DistributedConfig(Section):
         default_factory=list,
         help="Users the master grants write access where the store supports it.",
     )
-    request_timeout: float = option(60.0, gt=0, help="Seconds before one store request fails.")
-    max_retries: int = option(4, ge=0, help="Retries of a transient store failure.")
+    request_timeout: float = option(
+        60.0, gt=0, le=MAX_SECONDS, help="Seconds before one store request fails."
+    )
+    max_retries: int = option(4, ge=0, le=100, help="Retries of a transient store failure.")
     retry_backoff: float = option(
-        1.0, ge=0, help="First retry delay in seconds; doubles per retry (capped at 30 s)."
+        1.0,
+        ge=0,
+        le=300,
+        help="First retry delay in seconds; doubles per retry (capped at 30 s).",
+    )
+    keep_outer_steps: int = option(
+        4,
+        ge=1,
+        le=1_000_000,
+        help="The master deletes processed delta files from the store once they are this many "
+        "outer steps old (the Hub in one deletion commit per round).",
+    )
+    squash_history_every: int = option(
+        0,
+        ge=0,
+        le=1_000_000,
+        help="Hub only: squash the repository history into one commit every this many outer "
+        "steps (`HfApi.super_squash_history`; the history is lost). 0: never.",
+    )
+    cache_keep: int = option(
+        2,
+        ge=1,
+        le=1000,
+        help="Entries each node keeps in its download caches (global versions; the master's "
+        "downloaded deltas).",
+    )
+    lease_ttl: float = option(
+        120.0,
+        ge=1,
+        le=MAX_SECONDS,
+        help="Seconds the master's lease on the store (`global/lease.json`) lasts; it is "
+        "renewed every third of that. A second master is refused while it is live.",
+    )
+    take_over: bool = option(
+        False,
+        help="Master: take over the lease of another master once it has expired (waits for "
+        "the expiry; the new lease has epoch + 1).",
+    )
+    # --- rounds (issue 23)
+    min_deltas: int | None = option(
+        None,
+        ge=1,
+        le=1_000_000,
+        help="Master: start an outer step once deltas of this many distinct nodes are pending; "
+        "default: every node seen in the last 2 x round_timeout (1 before any is known).",
+    )
+    round_timeout: float = option(
+        120.0,
+        gt=0,
+        le=MAX_SECONDS,
+        help="Master: start an outer step anyway once the first pending delta has waited "
+        "this many seconds for the others.",
+    )
+    install_at: Literal["boundary", "any"] = option(
+        "boundary",
+        help="`boundary`: install a new global only at the next inner-loop boundary (right "
+        "after the upload), so inner loops are never cut and the optimizer is reset only "
+        "there; `any`: at the first step after it arrived.",
+    )
+    eval_globals: bool | None = option(
+        None,
+        help="Master: score every new global on the held-out eval data before publishing it "
+        "(event `outer_eval`, `eval_loss` in the metadata); default: when eval is configured.",
+    )
+    # --- what protects the global (issue 18)
+    max_delta_bytes: int | None = option(
+        None,
+        ge=1,
+        help="Master: reject delta files larger than this; default 4 x the model's floating "
+        "tensors plus 1 MiB.",
+    )
+    max_norm_ratio: float = option(
+        4.0,
+        ge=1,
+        le=1e6,
+        help="Master: a delta whose L2 norm exceeds this times the median norm of recently "
+        "accepted ones (first rounds: this round's lower median) is an outlier.",
+    )
+    outlier_policy: Literal["reject", "clip", "off"] = option(
+        "reject", help="Master: what happens to a norm outlier (`clip`: scaled to the threshold)."
+    )
+    aggregation: Literal["mean", "trimmed_mean", "median"] = option(
+        "mean", help="Master: how a round's contributions combine (coordinate-wise for the others)."
+    )
+    trimmed_fraction: float = option(
+        0.1,
+        ge=0,
+        lt=0.5,
+        help="Master, `trimmed_mean`: the fraction dropped at each end per coordinate.",
+    )
+    max_staleness: int = option(
+        16,
+        ge=0,
+        le=1_000_000,
+        help="Master: reject deltas computed from a global more than this many outer steps "
+        "behind the current one.",
+    )
+    staleness_weighting: Literal["none", "inverse"] = option(
+        "none",
+        help="Master, `mean`: weight each contribution by 1 / (1 + staleness), renormalised.",
+    )
+    max_update_ratio: float = option(
+        10.0,
+        gt=0,
+        le=1e6,
+        help="Master: refuse (and halt on) an outer step whose update norm exceeds this times "
+        "the global's norm.",
+    )
+    keep_history: int = option(
+        5,
+        ge=0,
+        le=10_000,
+        help="Master: outer steps (global and momentum) kept in `<state_dir>/<node_id>/history` "
+        "for `speedtronic diloco rollback`.",
+    )
+    signing_key: str | None = option(
+        None,
+        secret=True,
+        help="Shared secret: deltas and globals carry an HMAC-SHA256; the master rejects "
+        "unsigned or wrongly signed deltas and workers refuse unsigned globals. Prefer "
+        "$SPEEDTRONIC_DILOCO_KEY.",
     )
 
     def validate(self) -> None:
@@ -95,6 +243,12 @@ class DistributedConfig(Section):
             validate_node_id(self.node_id, "node_id")
         if self.enabled and not self.repo_id:
             raise ConfigError("is required when distributed.enabled is true", "repo_id")
+        if (self.node_rank is None) != (self.num_nodes is None) and self.num_nodes != 1:
+            raise ConfigError("set node_rank and num_nodes together", "node_rank")
+        if self.num_nodes is not None and (self.node_rank or 0) >= self.num_nodes:
+            raise ConfigError(
+                f"must be below num_nodes ({self.num_nodes}), got {self.node_rank}", "node_rank"
+            )
 
 
 def distributed_config(config: Any) -> DistributedConfig:

@@ -6,7 +6,9 @@
   handed to the coordinator as its prepared startup state;
 - ``on_train_start`` / ``on_train_end``: coordinator start and bounded stop;
 - ``after_optimizer_step``: boundaries, uploads, polls; True when weights were replaced;
-- ``on_checkpoint``: coordinator state under the ``diloco`` key.
+- ``on_checkpoint``: coordinator state under the ``diloco`` key;
+- ``register_commands``: the ``speedtronic diloco`` command group (``status``); other modules
+  add their subcommands to the same group through :func:`diloco_subcommands`.
 
 Everything the plugin knows about a run lives in that run: ``trainer.plugin_state["diloco"]``
 holds a :class:`DiLoCoRun` (its coordinator, and checkpointed state that arrived before train
@@ -17,6 +19,7 @@ never share a coordinator, and the coordinator's metric events go out through it
 
 from __future__ import annotations
 
+import argparse
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,12 +85,23 @@ def config_sections() -> dict[str, type]:
 
 @hookimpl
 def data_seed(config: Any, seed: int) -> int | None:
-    """A per-node data seed when DumbDiLoCo is on. Only the synthetic token stream draws its
-    samples from this seed; ``data.text_path`` and user datasets are not split by node."""
+    """A per-node data seed when DumbDiLoCo is on and the nodes are not ranked. Only the
+    synthetic token stream draws its samples from this seed; ``data.text_path`` and user
+    datasets are then not split by node (set ``num_nodes``/``node_rank`` for that)."""
     section = _section(config)
-    if section is None:
-        return None
+    if section is None or section.num_nodes is not None:
+        return None  # ranked nodes share the seed and split the samples (data_rank)
     return node_data_seed(seed, resolve_node_id(section.node_id))
+
+
+@hookimpl
+def data_rank(config: Any) -> tuple[int, int] | None:
+    """``(node_rank, num_nodes)`` when the config ranks the nodes: every source is then split
+    so nodes read disjoint samples."""
+    section = _section(config)
+    if section is None or section.num_nodes is None:
+        return None
+    return (section.node_rank or 0, section.num_nodes)
 
 
 @hookimpl
@@ -119,6 +133,7 @@ def on_train_start(trainer: Any) -> None:
             trainer.model,
             state_dir=state_dir_for(trainer.config, section),
             logger=trainer,
+            evaluate=global_evaluator(trainer, section),
         )
     if run.checkpointed is not None:
         run.coordinator.load_state_dict(run.checkpointed)
@@ -129,11 +144,13 @@ def on_train_start(trainer: Any) -> None:
 
 @hookimpl
 def after_optimizer_step(trainer: Any, model: Any, step: int) -> bool | None:
-    """Forward the step to the coordinator; True when a delta was pushed or a global loaded."""
+    """Forward the step to the coordinator; True when a delta was pushed or a global loaded.
+    The run's last step (``run.max_steps``) uploads its partial inner loop."""
     coordinator = coordinator_of(trainer)
     if coordinator is None or not coordinator.started:
         return None
-    return coordinator.after_optimizer_step(model, step)
+    final = step >= trainer.config.run.max_steps
+    return coordinator.after_optimizer_step(model, step, final=final)
 
 
 @hookimpl
@@ -146,11 +163,110 @@ def on_checkpoint(trainer: Any, state: dict[str, Any]) -> None:
 
 @hookimpl
 def on_train_end(trainer: Any, error: BaseException | None) -> None:
-    """Stop the coordinator (bounded; never raises). The trainer drops the run's state next."""
+    """After a run that ended normally, let the last delta land and the master aggregate what
+    is pending (:meth:`~speedtronic_diloco.coordinator.DumbDiLoCoCoordinator.finish`); then
+    stop the coordinator (bounded; never raises). The trainer drops the run's state next."""
     coordinator = coordinator_of(trainer)
     if coordinator is None:
         return
     try:
+        if error is None:
+            coordinator.finish()
         coordinator.stop()
     except Exception:  # on_train_end must not raise
         log.exception("stopping DumbDiLoCo failed")
+
+
+COMMAND_GROUP = "diloco"
+
+
+def diloco_subcommands(subparsers: Any) -> Any:
+    """The sub-parsers of the ``speedtronic diloco`` command group on the CLI's ``subparsers``,
+    creating the group on first use: every caller (``status``, ``rollback``...) gets the same
+    group, whoever registers first."""
+    group = subparsers.choices.get(COMMAND_GROUP)
+    if group is None:
+        group = subparsers.add_parser(
+            COMMAND_GROUP, help="inspect and manage a DumbDiLoCo run (`status`, ...)"
+        )
+        group.set_defaults(handler=lambda args: _group_help(group))
+    commands = getattr(group, "diloco_commands", None)
+    if commands is None:
+        commands = group.add_subparsers(dest="diloco_command", metavar="COMMAND")
+        group.diloco_commands = commands
+    return commands
+
+
+def _group_help(group: argparse.ArgumentParser) -> int:
+    group.print_help()
+    return 2
+
+
+@hookimpl
+def register_commands(subparsers: Any) -> None:
+    """``speedtronic diloco status`` (and the group other DiLoCo commands join)."""
+    from speedtronic_diloco.status import add_status_command
+
+    add_status_command(diloco_subcommands(subparsers))
+    from speedtronic_diloco.rollback import add_rollback_command
+
+    add_rollback_command(diloco_subcommands(subparsers))
+
+
+def global_evaluator(trainer: Any, section: DistributedConfig) -> Any:
+    """``evaluate(global weights) -> loss`` for a master whose run has an evaluator
+    (``distributed.eval_globals``, default on with eval), else None.
+
+    The outer thread calls it on a CPU copy of the model (``copy.deepcopy`` once, here) over
+    the evaluator's held-out micro-batches, read here on the training thread with the random
+    generators restored afterwards, so training is not disturbed."""
+    if section.role != "master":
+        return None
+    evaluator = getattr(trainer, "evaluator", None)
+    wanted = section.eval_globals if section.eval_globals is not None else evaluator is not None
+    if not wanted:
+        return None
+    if evaluator is None:
+        log.warning("distributed.eval_globals is set but the run has no eval; not evaluating")
+        return None
+    import copy
+    import threading
+
+    import torch
+
+    from speedtronic.batch import call_model, labels_as_inputs, loss_of, move_to
+    from speedtronic.checkpoint import rng_state, set_rng_state
+    from speedtronic_diloco.tensors import install_state
+
+    cpu = torch.device("cpu")
+    saved = rng_state()
+    try:
+        source = evaluator.source
+        iterator = source.iterate(0) if hasattr(source, "iterate") else iter(source)
+        batches = []
+        for _ in range(evaluator.batches):
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                break
+            batch = labels_as_inputs(batch) if evaluator.label_mode == "inputs" else batch
+            batches.append(move_to(batch, cpu))
+        model = copy.deepcopy(trainer.model).to(cpu).eval()
+    except Exception as exc:  # evaluation is an extra: a failure leaves training alone
+        log.warning("not evaluating globals: %s: %s", type(exc).__name__, exc)
+        return None
+    finally:
+        set_rng_state(saved)
+    if not batches:
+        return None
+    lock = threading.Lock()
+
+    def evaluate(weights: Any) -> float:
+        with lock, torch.no_grad():
+            install_state(model, weights)
+            total = 0.0
+            for batch in batches:
+                total += float(loss_of(call_model(model, batch)).double())
+            return total / len(batches)
+
+    return evaluate

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from speedtronic.data.format import FORMAT_VERSION
-    from speedtronic.data.loader import build_dataloader, build_eval_source
+    from speedtronic.data.loader import build_dataloader, build_eval_source, build_holdout_source
     from speedtronic.data.preparation import PrepareResult, prepare
     from speedtronic.data.shards import (
         Shard,
@@ -67,6 +67,7 @@ __all__ = [
     "Tokenizer",
     "build_dataloader",
     "build_eval_source",
+    "build_holdout_source",
     "byte_tokenizer",
     "check_shards",
     "check_text_file",
@@ -96,6 +97,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "Tokenizer": ("text", "Tokenizer"),
     "build_dataloader": ("loader", "build_dataloader"),
     "build_eval_source": ("loader", "build_eval_source"),
+    "build_holdout_source": ("loader", "build_holdout_source"),
     "byte_tokenizer": ("text", "byte_tokenizer"),
     "check_shards": ("shards", "check_shards"),
     "check_text_file": ("text", "check_text_file"),

@@ -23,7 +23,7 @@ from speedtronic.data.text import (
 from speedtronic.data.user import user_source
 from speedtronic.errors import DataError
 
-__all__ = ["build_dataloader", "build_eval_source"]
+__all__ = ["build_dataloader", "build_eval_source", "build_holdout_source", "text_holdout"]
 
 log = logging.getLogger("speedtronic.data")
 
@@ -61,13 +61,17 @@ def build_dataloader(
                 "shards" if data.shards else "text_path",
                 data.shards or data.text_path,
             )
-        if num_ranks > 1:
-            log.warning("a user dataset is not split by rank; rank %d reads all of it", rank)
-        return user_source(config, dataset, seed if seed is not None else config.data_seed)
+        return user_source(
+            config,
+            dataset,
+            seed if seed is not None else config.data_seed,
+            rank=rank,
+            num_ranks=num_ranks,
+        )
 
     seq_len = _within("seq_len", data.seq_len, seq_len, "max_seq_len")
     if seq_len is None:
-        raise DataError("data.seq_len is not set and the model has no max_seq_len to default to")
+        raise DataError(MISSING_SEQ_LEN)
     stream_seed = seed if seed is not None else config.data_seed
     if data.shards:
         limit = _within("vocab_size", data.vocab_size, vocab_size, "vocab_size")
@@ -91,13 +95,31 @@ def build_dataloader(
                     f"data.text_path: byte-level text needs a vocabulary of at least "
                     f"{BYTE_VOCAB}, but the model's vocab_size is {vocab_size}; pass a tokenizer"
                 )
-            ByteTextStream(path, seq_len, micro)  # check the file now, in the main process
+            holdout = text_holdout(config)
+            # Check the file now, in the main process.
+            ByteTextStream(path, seq_len, micro, holdout_fraction=holdout)
 
             def iterate_bytes(start: int) -> Iterator[Batch]:
-                stream = ByteTextStream(path, seq_len, micro, start, rank=rank, num_ranks=num_ranks)
+                stream = ByteTextStream(
+                    path,
+                    seq_len,
+                    micro,
+                    start,
+                    rank=rank,
+                    num_ranks=num_ranks,
+                    holdout_fraction=holdout,
+                )
                 return stream_batches(config, stream)
 
-            return DataSource(iterate_bytes, description=f"text {path} (bytes, seq {seq_len})")
+            held = f", last {holdout:.0%} held out for eval" if holdout else ""
+            return DataSource(
+                iterate_bytes, description=f"text {path} (bytes, seq {seq_len}{held})"
+            )
+        if text_holdout(config):
+            raise DataError(
+                "eval.holdout_fraction holds out blocks of byte-level text only; with a "
+                "tokenizer, set eval.text_path to a separate file"
+            )
         if num_ranks > 1:
             log.warning("a tokenized text stream is not split by rank; rank %d reads all", rank)
         stream = TokenizedTextStream(path, seq_len, micro, tokenizer)
@@ -119,7 +141,7 @@ def build_dataloader(
 
     vocab = _within("vocab_size", data.vocab_size, vocab_size, "vocab_size")
     if vocab is None:
-        raise DataError("data.vocab_size is not set and the model has no vocab_size")
+        raise DataError(MISSING_VOCAB)
     return DataSource(
         lambda start: stream_batches(
             config,
@@ -154,7 +176,7 @@ def build_eval_source(
         raise DataError("eval data from token shards needs data.shards (or a shard directory)")
     seq_len = _within("seq_len", data.seq_len, seq_len, "max_seq_len")
     if seq_len is None:
-        raise DataError("data.seq_len is not set and the model has no max_seq_len to default to")
+        raise DataError(MISSING_SEQ_LEN)
     limit = _within("vocab_size", data.vocab_size, vocab_size, "vocab_size")
     return shard_source(
         directory,
@@ -170,6 +192,58 @@ def build_eval_source(
         config=config,
         where="eval shards" if directory != data.shards else "data.shards",
     )
+
+
+def text_holdout(config: SpeedtronicConfig) -> float:
+    """The fraction of ``data.text_path`` held out for evaluation (0 when eval reads another
+    source)."""
+    section = config.eval
+    if section.text_path or section.shards or not config.data.text_path:
+        return 0.0
+    return section.holdout_fraction
+
+
+def build_holdout_source(
+    config: SpeedtronicConfig,
+    *,
+    seq_len: int | None = None,
+    vocab_size: int | None = None,
+    rank: int = 0,
+    num_ranks: int = 1,
+) -> DataSource:
+    """The held-out tail of ``data.text_path`` (``eval.holdout_fraction`` of its blocks, which
+    the training stream skips), in order, split by rank like training."""
+    data = config.data
+    path = data.text_path
+    holdout = text_holdout(config)
+    if not path or not holdout:
+        raise DataError("a text holdout needs data.text_path and eval.holdout_fraction > 0")
+    seq_len = _within("seq_len", data.seq_len, seq_len, "max_seq_len")
+    if seq_len is None:
+        raise DataError(MISSING_SEQ_LEN)
+    if vocab_size is not None and vocab_size < BYTE_VOCAB:
+        raise DataError(
+            f"data.text_path: byte-level text needs a vocabulary of at least {BYTE_VOCAB}, but "
+            f"the model's vocab_size is {vocab_size}"
+        )
+    micro = data.micro_batch_size
+    options = {"rank": rank, "num_ranks": num_ranks, "holdout_fraction": holdout, "held_out": True}
+    ByteTextStream(path, seq_len, micro, **options)  # check now
+
+    def iterate(start: int) -> Iterator[Batch]:
+        return stream_batches(config, ByteTextStream(path, seq_len, micro, start, **options))
+
+    return DataSource(iterate, description=f"held-out last {holdout:.0%} of {path} (bytes)")
+
+
+MISSING_SEQ_LEN = (
+    "the sequence length is unknown: set data.seq_len, or model.max_seq_len (a model without a "
+    "max_seq_len attribute takes it from the model section)"
+)
+MISSING_VOCAB = (
+    "the vocabulary size is unknown: set data.vocab_size, or model.vocab_size (a model without "
+    "a vocab_size attribute takes it from the model section)"
+)
 
 
 def _within(field: str, configured: int | None, limit: int | None, model_field: str) -> int | None:

@@ -33,6 +33,11 @@ class DataSource:
         """An iterator over micro-batches starting at sample ``start_sample``."""
         return self.make_iterator(start_sample)
 
+    def __iter__(self) -> Iterator[Any]:
+        """``for batch in source``: the micro-batches from the first sample (endless for the
+        built-in streams: stop when you have enough)."""
+        return self.iterate(0)
+
 
 def loader_kwargs(config: SpeedtronicConfig) -> dict[str, Any]:
     """``num_workers``, ``pin_memory`` and ``prefetch_factor`` for a DataLoader."""

@@ -95,15 +95,24 @@ class ByteTextStream(_OwnFileHandle, IndexedTokenStream):
         *,
         rank: int = 0,
         num_ranks: int = 1,
+        holdout_fraction: float = 0.0,
+        held_out: bool = False,
     ) -> None:
         super().__init__(seq_len, micro_batch_size, start_sample, rank=rank, num_ranks=num_ranks)
         self.path = str(path)
         size = check_text_file(self.path)
-        self.num_blocks = (size - 1) // seq_len
+        total = (size - 1) // seq_len
+        # The last `holdout_fraction` of the blocks are held out: training (held_out=False)
+        # never reads them, evaluation (held_out=True) reads only them.
+        kept = total - math.ceil(total * holdout_fraction) if holdout_fraction else total
+        self.first_block = kept if held_out else 0
+        self.num_blocks = total - kept if held_out else kept
         if self.num_blocks < 1:
+            what = "held-out block" if held_out else "block"
             raise DataError(
-                f"data.text_path: {self.path} has {size} bytes, fewer than one block of "
+                f"data.text_path: {self.path} has {size} bytes, fewer than one {what} of "
                 f"seq_len + 1 = {seq_len + 1}"
+                + (f" (eval.holdout_fraction {holdout_fraction})" if holdout_fraction else "")
             )
 
     def windows_at(self, indices: np.ndarray) -> np.ndarray:
@@ -111,7 +120,7 @@ class ByteTextStream(_OwnFileHandle, IndexedTokenStream):
         width = self.seq_len + 1
         out = np.empty((len(indices), width), dtype=np.int64)
         for row, index in enumerate(indices.tolist()):
-            handle.seek((index % self.num_blocks) * self.seq_len)
+            handle.seek((self.first_block + index % self.num_blocks) * self.seq_len)
             out[row] = np.frombuffer(handle.read(width), dtype=np.uint8)
         return out
 

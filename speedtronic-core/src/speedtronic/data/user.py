@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -20,10 +21,21 @@ log = logging.getLogger("speedtronic.data")
 
 
 def user_source(
-    config: SpeedtronicConfig, dataset: Dataset | IterableDataset, seed: int
+    config: SpeedtronicConfig,
+    dataset: Dataset | IterableDataset,
+    seed: int,
+    *,
+    rank: int = 0,
+    num_ranks: int = 1,
 ) -> DataSource:
     """A :class:`DataSource` over a user dataset: a map-style one in a seeded per-epoch order
-    (exact resume), an iterable one epoch after epoch (resume re-reads and skips)."""
+    (exact resume), an iterable one epoch after epoch (resume re-reads and skips).
+
+    A map-style dataset is split by ``rank``/``num_ranks`` like the built-in streams: rank
+    ``r`` takes positions ``i * num_ranks + r`` of the shared order (as DistributedSampler
+    does), so ranks and DiLoCo nodes never train on the same samples. An iterable dataset
+    cannot be split from outside: it must honour the rank itself (a ``data.dataset`` factory
+    that takes ``rank``/``num_ranks`` receives them)."""
     data = config.data
     micro = data.micro_batch_size
     batch_size = None if getattr(dataset, "yields_batches", False) else micro
@@ -43,6 +55,14 @@ def user_source(
                 repeat_epochs(loader, f"the dataset {name} produced no batches"), start, micro
             )
 
+        if num_ranks > 1:
+            log.warning(
+                "%s is an iterable dataset: it is not split by rank; rank %d of %d reads what "
+                "it yields (take `rank`/`num_ranks` in its data.dataset factory to split it)",
+                name,
+                rank,
+                num_ranks,
+            )
         return DataSource(iterate, exact_resume=False, description=name)
 
     try:
@@ -65,13 +85,19 @@ def user_source(
             offset = 0
             epoch += 1
 
+    def ranked_order(start: int) -> Iterator[int]:
+        # This rank's sample i is position i * num_ranks + rank of the shared order.
+        shared = order(start * num_ranks)
+        return itertools.islice(shared, rank, None, num_ranks) if num_ranks > 1 else shared
+
     def iterate_map(start: int) -> Iterator[Any]:
         loader = make_loader(
-            config, dataset, batch_size=batch_size, sampler=_OrderSampler(order, start)
+            config, dataset, batch_size=batch_size, sampler=_OrderSampler(ranked_order, start)
         )
         return iter(loader)
 
-    return DataSource(iterate_map, description=f"{name} ({length} samples)")
+    split = f", rank {rank} of {num_ranks}" if num_ranks > 1 else ""
+    return DataSource(iterate_map, description=f"{name} ({length} samples{split})")
 
 
 class _OrderSampler(Sampler[int]):
