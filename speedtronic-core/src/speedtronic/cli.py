@@ -23,10 +23,12 @@ from speedtronic.errors import PluginError, SpeedtronicError
 __all__ = [
     "EXIT_USER_ERROR",
     "GLOBAL_FLAGS",
+    "add_set_option",
     "build_parser",
     "cmd_plugins",
     "cmd_train",
     "cmd_validate",
+    "load_config",
     "load_plugin_modules",
     "main",
 ]
@@ -36,7 +38,9 @@ log = logging.getLogger("speedtronic.cli")
 EXIT_USER_ERROR = 2
 
 
-def _load_config(args: argparse.Namespace) -> SpeedtronicConfig:
+def load_config(args: argparse.Namespace) -> SpeedtronicConfig:
+    """The config a command's ``--config`` names, with its ``--set`` overrides and the
+    shorthands ``--max-steps``, ``--output-dir`` and ``--resume`` applied."""
     config = SpeedtronicConfig.from_file(args.config)
     overrides: list[str] = list(getattr(args, "set", None) or [])
     if getattr(args, "max_steps", None) is not None:
@@ -50,7 +54,7 @@ def _load_config(args: argparse.Namespace) -> SpeedtronicConfig:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """``speedtronic train``: validate, build and run; print a one-line summary."""
-    config = _load_config(args)  # before importing torch: a config error should be instant
+    config = load_config(args)  # before importing torch: a config error should be instant
     if getattr(args, "nproc_per_node", None) and "WORLD_SIZE" not in os.environ:
         return _launch_ranks(args.nproc_per_node, config, args.argv)
     from speedtronic.runtime import train_from_config
@@ -97,7 +101,7 @@ def _launch_ranks(nproc: int, config: SpeedtronicConfig, argv: Sequence[str]) ->
 def cmd_validate(args: argparse.Namespace) -> int:
     """``speedtronic validate``: check that the run would build (model on the meta device, its
     data against it) and print the resolved config with secrets redacted."""
-    config = _load_config(args)
+    config = load_config(args)
     if not args.config_only:
         from speedtronic.runtime import check_runtime
 
@@ -152,6 +156,17 @@ def _add_plugin_commands(sub: argparse._SubParsersAction) -> None:
     call_each(get_plugin_manager().hook.register_commands, {"subparsers": sub}, lose_commands)
 
 
+def add_set_option(parser: argparse.ArgumentParser) -> None:
+    """``--set KEY=VALUE`` (repeatable), the dotted config override every command that reads a
+    config takes; read it back with :func:`load_config`."""
+    parser.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a dotted config key, value parsed as YAML (repeatable)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full parser, including the subcommands plugins add."""
     parser = argparse.ArgumentParser(prog="speedtronic", description="Be fast, be efficient.")
@@ -172,12 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="data parallel on this machine: start N ranks (DDP) through torch's elastic "
         "launcher, as torchrun does",
     )
-    train.add_argument(
-        "--set",
-        action="append",
-        metavar="KEY=VALUE",
-        help="override a dotted config key, value parsed as YAML (repeatable)",
-    )
+    add_set_option(train)
     train.set_defaults(handler=cmd_train)
 
     validate = sub.add_parser("validate", help="check a config and print it resolved")
@@ -190,12 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="check the config file alone, without building the model (meta device) and data",
     )
-    validate.add_argument(
-        "--set",
-        action="append",
-        metavar="KEY=VALUE",
-        help="override a dotted config key, value parsed as YAML (repeatable)",
-    )
+    add_set_option(validate)
     validate.set_defaults(handler=cmd_validate)
 
     plugins = sub.add_parser("plugins", help="list discovered plugins and their hooks")

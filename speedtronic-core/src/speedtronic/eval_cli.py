@@ -10,6 +10,7 @@ import argparse
 import json
 from typing import Any
 
+from speedtronic.cli import add_set_option, load_config
 from speedtronic.errors import CheckpointError, PluginError
 
 __all__ = ["add_eval_command", "cmd_eval"]
@@ -38,25 +39,15 @@ def add_eval_command(subparsers: Any) -> None:
     command.add_argument(
         "--format", choices=("table", "json"), default="table", help="output format"
     )
-    command.add_argument(
-        "--set",
-        action="append",
-        metavar="KEY=VALUE",
-        help="override a dotted config key, value parsed as YAML (repeatable)",
-    )
+    add_set_option(command)
     command.set_defaults(handler=cmd_eval)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """Load the weights, evaluate, print loss/ppl/tokens."""
-    from speedtronic.config import SpeedtronicConfig
-
-    config = SpeedtronicConfig.from_file(args.config)
-    overrides = list(args.set or [])
+    config = load_config(args)
     if args.batches is not None:
-        overrides.append(f"eval.batches={args.batches}")
-    if overrides:
-        config = config.with_overrides(overrides)
+        config = config.with_overrides([f"eval.batches={args.batches}"])
 
     from speedtronic.checkpoint import CheckpointManager
     from speedtronic.eval import Evaluator, build_eval_source

@@ -9,12 +9,11 @@ Errors are :class:`~speedtronic.SpeedtronicError` subclasses: one line, exit 2.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from typing import Any
 
-from speedtronic.config import SpeedtronicConfig
+from speedtronic.cli import add_set_option, load_config
 
 __all__ = ["DTYPE_CHOICES", "FORMAT_CHOICES", "add_model_commands", "cmd_export", "cmd_generate"]
 
@@ -25,21 +24,13 @@ FORMAT_CHOICES = ("hf",)
 DTYPE_CHOICES = ("bf16", "fp16", "fp32")
 
 
-def _load_config(args: argparse.Namespace) -> SpeedtronicConfig:
-    config = SpeedtronicConfig.from_file(args.config)
-    overrides: list[str] = list(args.set or [])
-    if args.output_dir is not None:
-        overrides.append(f"run.output_dir={json.dumps(args.output_dir)}")
-    return config.with_overrides(overrides) if overrides else config
-
-
 def _checkpoint(args: argparse.Namespace) -> str:
     return args.checkpoint or "latest"
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     """``speedtronic export``: write the trained model as a folder other tools load."""
-    config = _load_config(args)
+    config = load_config(args)
     from speedtronic.export import export_run
 
     result = export_run(
@@ -61,7 +52,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """``speedtronic generate``: sample text from the trained model, streamed to stdout."""
-    config = _load_config(args)
+    config = load_config(args)
     from speedtronic.generation import SamplingOptions, generate_text
     from speedtronic.inference import load_trained_model, run_tokenizer
     from speedtronic.precision import resolve_device
@@ -116,9 +107,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         metavar="bytes|PATH",
         help="the tokenizer to use instead of the one the data section implies",
     )
-    parser.add_argument(
-        "--set", action="append", metavar="KEY=VALUE", help="override a dotted config key"
-    )
+    add_set_option(parser)
 
 
 def _positive(text: str) -> int:

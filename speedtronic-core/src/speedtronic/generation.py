@@ -249,15 +249,10 @@ class TokenizerCodec(TextCodec):
     """A ``tokenizer.json`` read with the Hugging Face ``tokenizers`` library."""
 
     def __init__(self, path: str | Path, eos_id: int | None = None) -> None:
+        from speedtronic.data.encoders import import_tokenizers
+
         try:
-            import tokenizers
-        except ImportError:
-            raise DataError(
-                "a tokenizer.json needs the Hugging Face tokenizers library: "
-                "pip install 'speedtronic-core[tokenizers]'"
-            ) from None
-        try:
-            self.tokenizer = tokenizers.Tokenizer.from_file(str(path))
+            self.tokenizer = import_tokenizers().Tokenizer.from_file(str(path))
         except Exception as exc:  # the Rust side raises plain Exceptions
             raise DataError(f"cannot load tokenizer {path}: {' '.join(str(exc).split())}") from None
         self.eos_id = eos_id

@@ -19,7 +19,7 @@ import numpy as np
 from speedtronic.data.format import DTYPES, dtype_for_vocab
 from speedtronic.errors import DataError
 
-__all__ = ["EOS_CANDIDATES", "EncoderSpec", "load_encoder_spec"]
+__all__ = ["EOS_CANDIDATES", "EncoderSpec", "import_tokenizers", "load_encoder_spec"]
 
 BYTES_NAME = "bytes"
 BYTE_EOS = 256
@@ -92,7 +92,7 @@ class HFEncoder(Encoder):
 
     def __init__(self, spec: EncoderSpec) -> None:
         super().__init__(spec)
-        tokenizers = _import_tokenizers()
+        tokenizers = import_tokenizers()
         self.tokenizer = tokenizers.Tokenizer.from_str(spec.json_text)
         # encode_batch_fast skips the character offsets we do not need (tokenizers >= 0.20).
         self._encode = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)
@@ -109,7 +109,8 @@ class HFEncoder(Encoder):
         return np.fromiter(chain.from_iterable(ids), dtype=self.dtype, count=total)
 
 
-def _import_tokenizers() -> Any:
+def import_tokenizers() -> Any:
+    """The Hugging Face ``tokenizers`` module, or a DataError naming the extra to install."""
     try:
         import tokenizers
     except ImportError:
@@ -154,7 +155,7 @@ def load_encoder_spec(
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise DataError(f"tokenizer {path} is not UTF-8 JSON") from None
-    tokenizers = _import_tokenizers()
+    tokenizers = import_tokenizers()
     try:
         loaded = tokenizers.Tokenizer.from_str(text)
     except Exception as exc:  # the Rust side raises plain Exceptions
