@@ -188,6 +188,7 @@ def test_build_dataloader_can_be_iterated_directly() -> None:
         break
 
 
+@pytest.mark.slow
 def test_a_register_model_without_limits_trains_from_the_cli(tmp_path: Path) -> None:
     (tmp_path / "byo_models.py").write_text(
         "from core.test_bring_your_own import NoLimits\n"

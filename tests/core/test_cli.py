@@ -97,6 +97,7 @@ def test_validate_applies_overrides(site: Path, tmp_path: Path) -> None:
 # ---------------------------------------------------------------- train
 
 
+@pytest.mark.slow
 def test_train_then_resume(site: Path, tmp_path: Path) -> None:
     config = write_config(tmp_path / "cfg")
     output = tmp_path / "out"

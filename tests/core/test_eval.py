@@ -149,6 +149,7 @@ def test_text_training_data_needs_held_out_text(tmp_path: Path) -> None:
         build_runtime(config, console=False)
 
 
+@pytest.mark.slow
 def test_eval_cli_scores_a_checkpoint_like_the_run_did(tmp_path: Path) -> None:
     config = run_config(tmp_path, eval={"every": 8, "batches": 2}, checkpoint={"keep_best": True})
     _, events, _ = train(config)

@@ -69,6 +69,7 @@ def test_a_plugin_command_is_listed_as_provided() -> None:
     assert row.provides == ("command hello-world",)
 
 
+@pytest.mark.slow
 def test_a_register_model_module_is_usable_from_the_cli_with_plugin(tmp_path: Path) -> None:
     (tmp_path / "my_models.py").write_text(
         textwrap.dedent(

@@ -41,6 +41,7 @@ def test_unwritable_checkpoint_directory_is_found_before_the_first_step(tmp_path
     assert recorder.named("step") == [] and runtime.trainer.step == 0  # nothing trained, lost
 
 
+@pytest.mark.slow
 def test_unwritable_checkpoint_directory_is_one_clean_cli_error(tmp_path: Path) -> None:
     blocker = tmp_path / "blocked"
     blocker.write_text("x")

@@ -90,6 +90,7 @@ def test_entry_point_plugin_builds_its_model_through_the_hook(site: Path) -> Non
     assert "Known models:" in error and "throwaway_mlp" in error.split("Known models:")[1]
 
 
+@pytest.mark.slow
 def test_entry_point_metric_sink_receives_a_real_training_run(site: Path, tmp_path: Path) -> None:
     metrics = tmp_path / "metrics.jsonl"
     config = tmp_path / "run.yaml"

@@ -6,11 +6,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from speedtronic import SpeedtronicConfig
 from speedtronic.runtime import train_from_config
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
+
+pytestmark = pytest.mark.slow
 
 
 def test_train_reference_example_trains_both_models(tmp_path: Path) -> None:

@@ -231,6 +231,7 @@ def test_cli_errors_are_one_line(trained, tmp_path: Path, capsys) -> None:
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow
 def test_export_and_generate_as_real_commands(trained, tmp_path: Path) -> None:
     config, root = trained
     config_file = root / "run.json"

@@ -255,18 +255,22 @@ def unregister(name: str) -> None:
     _plugin_distributions.pop(name, None)
 
 
-def install_command(distribution: str) -> str:
-    """How to install a first-party ``distribution``: from the source checkout this core runs
-    from, when there is one (the distributions are not on PyPI yet), else by name."""
+def install_command(distribution: str, extra: str = "") -> str:
+    """How to install a first-party ``distribution`` (with ``extra``, e.g. ``"wandb"``): from
+    the source checkout this core runs from, when there is one (the distributions are not on
+    PyPI yet), else by name."""
+    suffix = f"[{extra}]" if extra else ""
+    by_name = f"pip install '{distribution}{suffix}'" if extra else f"pip install {distribution}"
     checkout = Path(__file__).resolve().parents[3]
     folder = checkout / distribution
     if not (folder / "pyproject.toml").is_file():
-        return f"pip install {distribution}"
+        return by_name
     try:
         shown = f"./{folder.relative_to(Path.cwd().resolve())}"
     except ValueError:
         shown = str(folder)
-    return f"pip install {shown} (this source checkout; pip install {distribution} once published)"
+    local = f"pip install '{shown}{suffix}'" if extra else f"pip install {shown}"
+    return f"{local} (this source checkout; {by_name} once published)"
 
 
 def missing_provider_hint(key: str) -> str:

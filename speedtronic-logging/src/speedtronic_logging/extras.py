@@ -10,13 +10,15 @@ import importlib
 from typing import Any
 
 from speedtronic.errors import PluginError
+from speedtronic.plugins import install_command
 
 DISTRIBUTION = "speedtronic-logging"
 
 
 def install_hint(extra: str) -> str:
-    """The pip command that installs ``extra`` of this distribution."""
-    return f"pip install '{DISTRIBUTION}[{extra}]'"
+    """The pip command that installs ``extra`` of this distribution (from the source checkout
+    when there is one)."""
+    return install_command(DISTRIBUTION, extra)
 
 
 def require(module: str, extra: str, feature: str) -> Any:
