@@ -60,7 +60,7 @@ NOT_RUN: dict[tuple[str, str], str] = {
         for page in ("README.md", "docs/diloco.md")
         for command in (
             "speedtronic train -c configs/diloco.yaml --set distributed.role=master "
-            "--set distributed.node_id=master --output-dir runs/diloco/master --max-steps 2400",
+            "--set distributed.node_id=master --output-dir runs/diloco/master",
             "speedtronic train -c configs/diloco.yaml --set distributed.node_id=worker-1 "
             "--output-dir runs/diloco/worker-1",
             "speedtronic train -c configs/diloco.yaml --set distributed.node_id=worker-2 "

@@ -193,7 +193,7 @@ def test_boundary_uploads_delta_and_polls(store: MemoryTransport, tmp_path: Path
 
 
 def test_poll_interval_polls_between_boundaries(store: MemoryTransport, tmp_path: Path) -> None:
-    coordinator, model = make(store, tmp_path, inner_steps=100, poll_interval=0.0)
+    coordinator, model = make(store, tmp_path, inner_steps=100, poll_interval=0.0, install_at="any")
     coordinator.start()
     reads = store.count("read_global_metadata")
     store.publish_state(params(make_net(seed=1)), 1, tmp_path)
@@ -208,7 +208,7 @@ def test_poll_interval_polls_between_boundaries(store: MemoryTransport, tmp_path
 def test_failure_poll_warns_and_leaves_model(
     store: MemoryTransport, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    coordinator, model = make(store, tmp_path, poll_interval=0.0, inner_steps=100)
+    coordinator, model = make(store, tmp_path, poll_interval=0.0, inner_steps=100, install_at="any")
     coordinator.start()
     store.publish_state(params(make_net(seed=1)), 1, tmp_path)
     store.fail("download_global", TransientTransportError("503"), times=3)
@@ -402,7 +402,12 @@ def test_async_upload_failure_leaves_baseline(store: MemoryTransport, tmp_path: 
 
 def test_async_poll_never_touches_the_live_model(store: MemoryTransport, tmp_path: Path) -> None:
     coordinator, model = make(
-        store, tmp_path, async_global_poll=True, inner_steps=100, poll_interval=0.0
+        store,
+        tmp_path,
+        async_global_poll=True,
+        inner_steps=100,
+        poll_interval=0.0,
+        install_at="any",
     )
     coordinator.start()
     published = params(make_net(seed=1))
@@ -461,7 +466,7 @@ def test_prepared_startup_state_wins_then_poll_finds_newer(
     # A resumed process: model weights from the checkpoint, then coordinator state, then start.
     resumed_model = make_net(seed=3)
     resumed_model.load_state_dict(checkpoint_model)
-    second, _ = make(store, tmp_path, model=resumed_model)
+    second, _ = make(store, tmp_path, model=resumed_model, keep_own_progress=False)
     second.load_state_dict(saved)
     second.start()
     assert_same(params(resumed_model), checkpoint_model)  # no install during startup
@@ -528,7 +533,7 @@ def test_stop_is_bounded_does_not_force_a_delta_and_restarts(
 
 
 def test_reset_signal_is_pushed_or_loaded(store: MemoryTransport, tmp_path: Path) -> None:
-    coordinator, model = make(store, tmp_path, inner_steps=2, poll_interval=0.0)
+    coordinator, model = make(store, tmp_path, inner_steps=2, poll_interval=0.0, install_at="any")
     coordinator.start()
     assert coordinator.after_optimizer_step(model, 1) is False  # nothing new
     store.publish_state(params(make_net(seed=1)), 1, tmp_path)

@@ -387,7 +387,9 @@ def test_master_installs_its_own_rounds_at_its_next_boundary(tmp_path: Path) -> 
 
 def test_master_installs_its_own_rounds_at_a_poll_between_boundaries(tmp_path: Path) -> None:
     store = MemoryTransport()
-    coordinator, model = master(store, tmp_path, inner_steps=100, poll_interval=0.0)
+    coordinator, model = master(
+        store, tmp_path, inner_steps=100, poll_interval=0.0, install_at="any"
+    )
     coordinator.start()
     assert coordinator.outer.stop(SETTLE)
     upload(store, tmp_path, "w", 2, random_delta(1))

@@ -44,7 +44,13 @@ def test_worker_skips_a_tampered_global_then_installs_the_next(
     weights = hub.files(REPO)[GLOBAL_WEIGHTS]
     hub.tamper(REPO, GLOBAL_WEIGHTS, weights[:-4] + b"\x00\x00\x80\x7f")  # a NaN, same size
 
-    config = dist_config(repo_id=REPO, endpoint=hub.endpoint, token=TOKEN, max_retries=2)
+    config = dist_config(
+        repo_id=REPO,
+        endpoint=hub.endpoint,
+        token=TOKEN,
+        max_retries=2,
+        keep_own_progress=False,  # the installed model is exactly the global
+    )
     model = make_net(0)
     worker = DumbDiLoCoCoordinator(config, model, state_dir=tmp_path / "state")
     assert isinstance(worker.transport, HubTransport)

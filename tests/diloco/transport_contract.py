@@ -21,6 +21,7 @@ from speedtronic_diloco.transports import (
     UnsupportedOperation,
     is_global_file,
 )
+from speedtronic_diloco.transports.base import Lease, LeaseConflictError, LeaseLostError
 
 
 def weights_file(tmp_path: Path, value: float, name: str = "w") -> Path:
@@ -113,3 +114,52 @@ class TransportContract:
             transport.grant_write_access(["bob"])
         except UnsupportedOperation:
             pass
+
+    # Optional parts: a store may say UnsupportedOperation, but what it does must be right.
+
+    def test_lease_is_compare_and_swap_or_unsupported(self, transport: Transport) -> None:
+        transport.create_store()
+        try:
+            assert transport.read_lease() is None
+        except UnsupportedOperation:
+            return
+        first = transport.write_lease(Lease("a", 1, 2e9), None)
+        assert transport.read_lease() == first
+        with pytest.raises(LeaseConflictError):
+            transport.write_lease(Lease("b", 1, 2e9), None)
+        second = transport.write_lease(Lease("b", 2, 2e9), first)
+        assert transport.read_lease() == second
+
+    def test_fenced_publication_needs_the_current_lease(
+        self, transport: Transport, tmp_path: Path
+    ) -> None:
+        transport.create_store()
+        try:
+            first = transport.write_lease(Lease("a", 1, 2e9), None)
+        except UnsupportedOperation:
+            return
+        source = weights_file(tmp_path, 1.0)
+        transport.publish_global(
+            source, GlobalMetadata.for_file(source, 1, master="a", lease_epoch=1)
+        )
+        transport.write_lease(Lease("b", 2, 2e9), first)
+        late = weights_file(tmp_path, 2.0)
+        with pytest.raises(LeaseLostError):
+            transport.publish_global(
+                late, GlobalMetadata.for_file(late, 2, master="a", lease_epoch=1)
+            )
+        assert transport.read_global_metadata().outer_step == 1
+
+    def test_delete_deltas_removes_listed_files_or_is_unsupported(
+        self, transport: Transport, tmp_path: Path
+    ) -> None:
+        transport.create_store()
+        for step in (1, 2):
+            transport.upload_delta("n", step, weights_file(tmp_path, float(step), f"d{step}"))
+        listing = transport.list_deltas()
+        try:
+            deleted = transport.delete_deltas([i for i in listing if i.local_step == 1])
+        except UnsupportedOperation:
+            return
+        assert deleted == 1
+        assert [info.key for info in transport.list_deltas()] == [("n", 2)]

@@ -81,6 +81,8 @@ class Node:
         self.output = tmp_path / node_id
         self.run = 0
         self.process: subprocess.Popen[bytes] | None = None
+        self.extra_args: list[str] = []  # more `speedtronic train` arguments
+        self.extra_env: dict[str, str] = {}
 
     @property
     def metrics(self) -> Path:
@@ -111,7 +113,8 @@ class Node:
         ]
         if resume:
             command.append("--resume")
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        command += self.extra_args
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **self.extra_env}
         env.pop("SPEEDTRONIC_LOAD_PLUGINS", None)
         with open(self.log, "wb") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -6,7 +6,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-KINDS = ("create", "preupload", "commit", "info", "tree", "resolve", "other")
+KINDS = ("create", "preupload", "commit", "squash", "info", "tree", "resolve", "other")
 """Request kinds that faults can target; "*" in `inject*` matches every kind."""
 
 

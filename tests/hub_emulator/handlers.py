@@ -1,5 +1,6 @@
 """The emulated HTTP endpoints: routing a request to its kind, and the replies of the calls
-``HfApi.create_repo``, ``repo_info``/``model_info``, ``list_repo_tree``, ``create_commit`` and
+``HfApi.create_repo``, ``repo_info``/``model_info``, ``list_repo_tree``, ``create_commit``
+(additions and deletions, ``parent_commit`` fencing), ``super_squash_history`` and
 ``hf_hub_download`` make, shaped like the Hub's (JSON bodies, ``X-Error-Code``,
 ``X-Repo-Commit``, ``ETag``)."""
 
@@ -90,6 +91,8 @@ def parse_route(method: str, raw_path: str) -> Route:
             return Route("info", repo_id, unquote(rest[1]) if rest else "main")
         if method == "POST" and len(rest) == 2 and rest[0] in ("preupload", "commit"):
             return Route(rest[0], repo_id, unquote(rest[1]))
+        if method == "POST" and len(rest) == 2 and rest[0] == "super-squash":
+            return Route("squash", repo_id, unquote(rest[1]))
         if method == "GET" and len(rest) >= 2 and rest[0] == "tree":
             return Route("tree", repo_id, unquote(rest[1]), unquote("/".join(rest[2:])))
     if method in ("GET", "HEAD") and len(segs) >= 5 and segs[2] == "resolve":
@@ -139,6 +142,8 @@ class HubApi:
         _require_writer(auth)
         if route.kind == "preupload":
             return self._preupload(repo, revision, body)
+        if route.kind == "squash":
+            return self._squash(repo, revision, body)
         if "create_pr" in query:
             raise HubError(400, "Pull requests are not emulated")
         return self._commit(repo, revision, body)
@@ -275,6 +280,14 @@ class HubApi:
             "hookOutput": "",
         }
         return json_reply(200, payload)
+
+    def _squash(self, repo: Repo, revision: str, body: bytes) -> Reply:
+        """``super_squash_history``: the branch becomes one commit with the head's files; the
+        commits only that branch reached are gone (their shas no longer resolve)."""
+        branch = self.repos.branch(repo, revision)
+        message = str(json.loads(body or b"{}").get("message") or "Super-squash")
+        sha = self.repos.squash(repo, branch, message)
+        return json_reply(200, {"commitOid": sha})
 
     def _readable_repo(self, repo_id: str, auth: str | None) -> Repo:
         repo = self.repos.get(repo_id)

@@ -108,6 +108,16 @@ class Repos:
         with self.lock:
             return dict(self.commit_at(self._repos[repo_id], revision).files)
 
+    def stored_bytes(self, repo_id: str) -> int:
+        """Bytes of the distinct file contents every stored commit holds: what the Hub's
+        storage of this repository would be (history included, deduplicated by content)."""
+        with self.lock:
+            blobs: dict[str, int] = {}
+            for commit in self._repos[repo_id].commits.values():
+                for data in commit.files.values():
+                    blobs.setdefault(hashlib.sha256(data).hexdigest(), len(data))
+            return sum(blobs.values())
+
     def tamper(self, repo_id: str, path: str, data: bytes, revision: str = "main") -> None:
         with self.lock:
             commit = self.commit_at(self._repos[repo_id], revision)
@@ -150,6 +160,21 @@ class Repos:
         commit = Commit(sha, parent_sha, summary, files, datetime.now(timezone.utc))
         repo.commits[sha] = commit
         repo.branches[branch] = sha
+        return sha
+
+    def squash(self, repo: Repo, branch: str, summary: str) -> str:
+        """Replace ``branch``'s history by one commit of its head's files; commits no other
+        branch reaches are dropped."""
+        head = repo.commits[repo.branches[branch]]
+        sha = self.new_commit(repo, branch, None, dict(head.files), summary)
+        reachable: set[str] = set()
+        for tip in repo.branches.values():
+            at: str | None = tip
+            while at is not None and at not in reachable:
+                reachable.add(at)
+                at = repo.commits[at].parent
+        for old in [c for c in repo.commits if c not in reachable]:
+            del repo.commits[old]
         return sha
 
     @staticmethod

@@ -184,6 +184,11 @@ class HubEmulator:
         """Copy of the file contents at a branch or commit sha."""
         return self._repos.files(repo_id, revision)
 
+    def stored_bytes(self, repo_id: str) -> int:
+        """Bytes the repository's stored commits hold (history included, each distinct file
+        content counted once)."""
+        return self._repos.stored_bytes(repo_id)
+
     def tamper(self, repo_id: str, path: str, data: bytes, revision: str = "main") -> None:
         """Replace a file's bytes inside an existing commit, keeping its sha.
 

@@ -174,6 +174,12 @@ class DistributedConfig(Section):
         "after the upload), so inner loops are never cut and the optimizer is reset only "
         "there; `any`: at the first step after it arrived.",
     )
+    keep_own_progress: bool = option(
+        True,
+        help="With `install_at: boundary`: a node installing a global that does not contain "
+        "its last delta yet keeps that progress (global minus its own pending deltas) instead "
+        "of learning it again from an older state; false: install the global exactly.",
+    )
     eval_globals: bool | None = option(
         None,
         help="Master: score every new global on the held-out eval data before publishing it "
@@ -237,6 +243,38 @@ class DistributedConfig(Section):
         "unsigned or wrongly signed deltas and workers refuse unsigned globals. Prefer "
         "$SPEEDTRONIC_DILOCO_KEY.",
     )
+    # --- fewer bytes per round (issue 17)
+    compression: Literal["none", "bf16", "int8", "int4"] = option(
+        "none",
+        help="How a node encodes its deltas: `none` (as they are), `bf16`, or blockwise absmax "
+        "`int8` / `int4` with error feedback. The master reads any mix.",
+    )
+    compression_block: int = option(
+        256,
+        ge=1,
+        le=1_048_576,
+        help="`int8`/`int4`: elements per quantisation block (one scale each).",
+    )
+    compression_scales: Literal["fp32", "bf16"] = option(
+        "fp32", help="`int8`/`int4`: the dtype of the block scales."
+    )
+    error_feedback: bool = option(
+        True,
+        help="Add each upload's quantisation residual to the next delta (kept in checkpoints). "
+        "Off: every delta is quantised on its own.",
+    )
+    global_compression: Literal["none", "bf16"] = option(
+        "none",
+        help="Master: publish globals as `bf16` (half the download); its own state and the "
+        "nodes' models keep their dtype.",
+    )
+    fragments: int = option(
+        1,
+        ge=1,
+        le=4096,
+        help="Streaming DiLoCo: sync the model in this many contiguous fragments, fragment j "
+        "every inner_steps steps at offset j * inner_steps / fragments (at most inner_steps).",
+    )
 
     def validate(self) -> None:
         if self.node_id is not None:
@@ -248,6 +286,11 @@ class DistributedConfig(Section):
         if self.num_nodes is not None and (self.node_rank or 0) >= self.num_nodes:
             raise ConfigError(
                 f"must be below num_nodes ({self.num_nodes}), got {self.node_rank}", "node_rank"
+            )
+        if self.fragments > self.inner_steps:
+            raise ConfigError(
+                f"must be at most inner_steps ({self.inner_steps}), got {self.fragments}",
+                "fragments",
             )
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from speedtronic import hookimpl
+from speedtronic.errors import PluginError
 from speedtronic_diloco.config import DistributedConfig, resolve_state_dir
 from speedtronic_diloco.identity import node_data_seed, resolve_node_id
 
@@ -44,6 +45,7 @@ class DiLoCoRun:
 
     coordinator: DumbDiLoCoCoordinator | None = None  # built at train start
     checkpointed: dict[str, Any] | None = None  # coordinator state restored before the start
+    follower: bool = False  # a DDP rank other than 0: rank 0 runs the node's coordinator
 
 
 def _section(config: Any) -> DistributedConfig | None:
@@ -95,6 +97,18 @@ def data_seed(config: Any, seed: int) -> int | None:
 
 
 @hookimpl
+def load_global_state(config: Any, model: Any) -> dict[str, Any] | None:
+    """The store's current global weights (``--global`` of eval, export and generate), read
+    without joining the run; None when DumbDiLoCo is not enabled in ``config``."""
+    section = _section(config)
+    if section is None:
+        return None
+    from speedtronic_diloco.global_weights import read_global_state
+
+    return read_global_state(section, model)
+
+
+@hookimpl
 def data_rank(config: Any) -> tuple[int, int] | None:
     """``(node_rank, num_nodes)`` when the config ranks the nodes: every source is then split
     so nodes read disjoint samples."""
@@ -127,6 +141,18 @@ def on_train_start(trainer: Any) -> None:
     from speedtronic_diloco.coordinator import DumbDiLoCoCoordinator
 
     run = _run_for(trainer)
+    parallel = getattr(trainer, "parallel", None)
+    if parallel is not None and parallel.enabled:
+        if section.install_at != "boundary":
+            raise PluginError(
+                "distributed.install_at: a DiLoCo node that is a DDP group installs globals at "
+                "its inner-loop boundaries only, where its ranks agree; set it to boundary"
+            )
+        trainer.reset_optimizer_on_weight_replace = section.reset_inner_optimizer
+        if not parallel.is_main:
+            run.follower = True  # rank 0 of the group runs the coordinator for the node
+            _broadcast_weights(trainer.model)  # what rank 0 starts from (maybe a global)
+            return
     if run.coordinator is None:
         run.coordinator = DumbDiLoCoCoordinator(
             section,
@@ -140,17 +166,47 @@ def on_train_start(trainer: Any) -> None:
         run.checkpointed = None
     trainer.reset_optimizer_on_weight_replace = section.reset_inner_optimizer
     run.coordinator.start()
+    if parallel is not None and parallel.enabled:
+        _broadcast_weights(trainer.model)  # the start may have installed the current global
 
 
 @hookimpl
 def after_optimizer_step(trainer: Any, model: Any, step: int) -> bool | None:
     """Forward the step to the coordinator; True when a delta was pushed or a global loaded.
     The run's last step (``run.max_steps``) uploads its partial inner loop."""
-    coordinator = coordinator_of(trainer)
-    if coordinator is None or not coordinator.started:
-        return None
     final = step >= trainer.config.run.max_steps
-    return coordinator.after_optimizer_step(model, step, final=final)
+    coordinator = coordinator_of(trainer)
+    replaced: bool | None = None
+    if coordinator is not None and coordinator.started:
+        replaced = coordinator.after_optimizer_step(model, step, final=final)
+    parallel = getattr(trainer, "parallel", None)
+    if parallel is None or not parallel.enabled or _section(trainer.config) is None:
+        return replaced
+    return _agree_across_ranks(trainer, model, step, final, bool(replaced))
+
+
+def _agree_across_ranks(trainer: Any, model: Any, step: int, final: bool, replaced: bool) -> bool:
+    """A node that is a DDP group: at each sync point (a fragment's boundary, or the last
+    step) rank 0 tells the other ranks whether it pushed or installed, and broadcasts its
+    weights when it installed, so the ranks never diverge. One small collective per sync point,
+    none on the steps between."""
+    section = _section(trainer.config)
+    assert section is not None
+    interval = max(1, section.inner_steps // max(1, getattr(section, "fragments", 1)))
+    if step % interval and not final:
+        return False
+    replaced = bool(trainer.parallel.broadcast(replaced))
+    if replaced:
+        _broadcast_weights(model)
+    return replaced
+
+
+def _broadcast_weights(model: Any) -> None:
+    """Rank 0's parameters and buffers onto every rank of the group, in place."""
+    import torch.distributed as dist
+
+    for tensor in model.state_dict().values():
+        dist.broadcast(tensor, src=0)
 
 
 @hookimpl

@@ -16,13 +16,26 @@ from pathlib import Path
 from typing import Any
 
 from speedtronic.errors import TransportError
+from speedtronic_diloco.aggregation import AggregationRules
 from speedtronic_diloco.config import DistributedConfig
+from speedtronic_diloco.lease import LeaseKeeper
 from speedtronic_diloco.outer import Emit, MasterOuterLoop
 from speedtronic_diloco.retry import RetryPolicy
 from speedtronic_diloco.tensors import TensorDict
-from speedtronic_diloco.transports.base import GlobalMetadata, Transport, UnsupportedOperation
+from speedtronic_diloco.transports.base import (
+    GlobalMetadata,
+    LeaseError,
+    Transport,
+    UnsupportedOperation,
+)
 
-__all__ = ["StartupChoice", "prepare_master", "provision_store", "select_startup_state"]
+__all__ = [
+    "StartupChoice",
+    "prepare_master",
+    "provision_store",
+    "select_startup_state",
+    "take_lease",
+]
 
 log = logging.getLogger("speedtronic.diloco")
 
@@ -81,13 +94,16 @@ def prepare_master(
     fetch_global: Callable[[GlobalMetadata], TensorDict | None],
     current_weights: Callable[[], TensorDict],
     checkpointed: dict[str, Any] | None = None,
+    signing_key: bytes | None = None,
+    evaluate: Callable[[TensorDict], float] | None = None,
 ) -> MasterOuterLoop:
     """Provision the store and build the outer loop at the state the run continues from; the
     loop is returned unstarted.
 
     ``checkpointed`` is the outer state of a trainer checkpoint (used when it is ahead of the
     state directory); ``fetch_global`` downloads (through the cache) the store's weights;
-    ``current_weights`` snapshots the model for a bootstrap.
+    ``current_weights`` snapshots the model for a bootstrap; ``signing_key`` and ``evaluate``
+    go to the outer loop (with the round rules of ``config``).
     """
     provision_store(transport, config)
     outer = MasterOuterLoop(
@@ -99,7 +115,13 @@ def prepare_master(
         outer_momentum=config.outer_momentum,
         retry=retry,
         emit=emit,
+        rules=AggregationRules.from_config(config, signing_key),
+        evaluate=evaluate,
+        keep_outer_steps=config.keep_outer_steps,
+        squash_history_every=config.squash_history_every,
+        cache_keep=config.cache_keep,
     )
+    outer.lease = take_lease(transport, config, node_id, retry, stop)
     if checkpointed is not None and outer.load_state_dict(checkpointed):
         log.info("master: outer state from the checkpoint (outer step %d)", outer.outer_step)
     _, remote = retry.attempt(
@@ -114,7 +136,7 @@ def prepare_master(
         assert remote is not None
         tensors = fetch_global(remote)
         if tensors is not None:
-            outer.adopt(remote.outer_step, tensors, remote.processed)
+            outer.adopt(remote.outer_step, tensors, remote.processed, remote.nodes)
         else:
             # Train on, but number the next outer step after the store's version.
             choice = StartupChoice.LOCAL if outer.has_local_state else StartupChoice.BOOTSTRAP
@@ -126,4 +148,35 @@ def prepare_master(
     elif choice is StartupChoice.LOCAL and (remote is None or remote.outer_step < outer.outer_step):
         outer.mark_unpublished()
     log.info("master startup: %s state at outer step %d", choice.value, outer.outer_step)
+    outer.check_current()
     return outer
+
+
+def take_lease(
+    transport: Transport,
+    config: DistributedConfig,
+    node_id: str,
+    retry: RetryPolicy,
+    stop: threading.Event,
+) -> LeaseKeeper:
+    """Take the store's master lease and start renewing it (see :mod:`speedtronic_diloco.lease`).
+
+    Another master's live lease raises :class:`~speedtronic_diloco.lease.LeaseHeldError`, so a
+    second master refuses to start. A store that cannot be reached now is a warning: the lease
+    is taken before the first publication instead."""
+    keeper = LeaseKeeper(
+        transport, node_id, ttl=config.lease_ttl, take_over=config.take_over, retry=retry
+    )
+    try:
+        keeper.acquire(stop)
+    except LeaseError:
+        raise
+    except TransportError as exc:
+        log.warning(
+            "taking the master lease of %s failed (%s); nothing is published until it is held",
+            transport.description,
+            exc,
+        )
+        return keeper
+    keeper.start()
+    return keeper

@@ -5,6 +5,7 @@ A store holds one run::
 
     global/latest.safetensors                   the newest global weights
     global/step_count.json                      their metadata (:class:`GlobalMetadata`)
+    global/lease.json                           the master's lease (:class:`Lease`)
     nodes/<node_id>/delta_<local_step>.safetensors   pseudo-gradients, one file per upload
 
 Implementations (:mod:`~speedtronic_diloco.transports.shared_dir`,
@@ -18,10 +19,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,23 +35,38 @@ from speedtronic_diloco.identity import is_valid_node_id
 __all__ = [
     "GLOBAL_METADATA",
     "GLOBAL_WEIGHTS",
+    "LEASE_FILE",
+    "LEASE_LIMIT",
+    "METADATA_LIMIT",
     "DeltaInfo",
     "GlobalMetadata",
     "IntegrityError",
+    "Lease",
+    "LeaseConflictError",
+    "LeaseError",
+    "LeaseLostError",
     "PermanentTransportError",
     "TransientTransportError",
     "Transport",
     "TransportError",
     "UnsupportedOperation",
+    "check_fence",
     "delta_path",
     "is_global_file",
     "parse_delta_path",
+    "redact_userinfo",
     "write_verified",
 ]
 
 GLOBAL_WEIGHTS = "global/latest.safetensors"
 GLOBAL_METADATA = "global/step_count.json"
+LEASE_FILE = "global/lease.json"
 METADATA_FORMAT = 1
+#: A ``step_count.json`` larger than this is not ours (ours stays a few KiB per node).
+METADATA_LIMIT = 4 << 20
+#: A ``lease.json`` larger than this is not ours.
+LEASE_LIMIT = 64 << 10
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@?#]*@")
 _DELTA_PATH = re.compile(r"^nodes/([^/\\]+)/delta_(\d+)\.safetensors$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -77,6 +95,89 @@ class IntegrityError(TransientTransportError):
     was replaced by a newer publication mid-read, or a transfer was torn)."""
 
 
+class LeaseError(PermanentTransportError):
+    """The master's lease on the store is held by another master, or was lost."""
+
+
+class LeaseConflictError(LeaseError):
+    """A lease write found another lease than the one it was based on (compare-and-swap
+    failed): another master took or renewed it. ``current`` is what the store holds."""
+
+    def __init__(self, message: str, current: Lease | None = None) -> None:
+        super().__init__(message)
+        self.current = current
+
+
+class LeaseLostError(LeaseError):
+    """A fenced write (publication, deletion) was refused: the store's lease no longer names
+    this master and epoch. The master must stop publishing."""
+
+
+def redact_userinfo(text: str) -> str:
+    """``text`` with the credentials of every URL in it (``https://user:pass@host``) replaced
+    by ``<redacted>``: endpoint URLs end up in log lines and error messages."""
+    return _USERINFO.sub(r"\1<redacted>@", text)
+
+
+@dataclass(frozen=True)
+class Lease:
+    """``global/lease.json``: which master may publish, until when, under which epoch.
+
+    ``epoch`` grows by one at every change of hands (and at every restart of the master), and
+    every publication carries it: a store accepts a publication only while its lease still
+    names that holder and epoch (the *fence*). ``expires_at`` is a wall-clock time of the
+    holder's machine; ``released`` marks a lease given up by a master that stopped cleanly.
+    """
+
+    holder: str
+    epoch: int
+    expires_at: float
+    renewed_at: float | None = None
+    instance: str | None = None
+    released: bool = False
+
+    def live(self, now: float | None = None) -> bool:
+        """True while the lease is held (not released, not expired)."""
+        return not self.released and (time.time() if now is None else now) < self.expires_at
+
+    def dumps(self) -> bytes:
+        """The JSON document as UTF-8 bytes."""
+        return json.dumps({"format": 1, **asdict(self)}, indent=1, sort_keys=True).encode()
+
+    @classmethod
+    def loads(cls, raw: bytes, where: str = LEASE_FILE) -> Lease:
+        """Parse ``lease.json``; PermanentTransportError naming ``where`` when malformed."""
+        try:
+            data = json.loads(raw.decode("utf-8"))
+            if not isinstance(data, dict):
+                raise TypeError("not an object")
+            lease = cls(
+                holder=str(data["holder"]),
+                epoch=int(data["epoch"]),
+                expires_at=float(data["expires_at"]),
+                renewed_at=None if data.get("renewed_at") is None else float(data["renewed_at"]),
+                instance=None if data.get("instance") is None else str(data["instance"]),
+                released=bool(data.get("released", False)),
+            )
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+            raise PermanentTransportError(f"{where}: malformed lease ({exc})") from None
+        if lease.epoch < 0 or not math.isfinite(lease.expires_at):
+            raise PermanentTransportError(f"{where}: malformed lease (epoch or expires_at)")
+        return lease
+
+
+def check_fence(current: Lease | None, holder: str, epoch: int, where: str) -> None:
+    """Raise LeaseLostError unless ``current`` (the store's lease) names ``holder`` and
+    ``epoch``: the check a store makes right before a fenced write becomes visible."""
+    if current is not None and current.holder == holder and current.epoch == epoch:
+        return
+    now = f"{current.holder!r} holds it with epoch {current.epoch}" if current else "none is held"
+    raise LeaseLostError(
+        f"{where}: refused: this write was made under the lease of {holder!r} epoch {epoch}, "
+        f"but {now}. Another master took over; this one must stop publishing."
+    )
+
+
 @dataclass(frozen=True)
 class GlobalMetadata:
     """What ``global/step_count.json`` says about the published global weights.
@@ -84,8 +185,14 @@ class GlobalMetadata:
     ``sha256`` and ``size`` describe the weights file and are verified on download.
     ``model_file`` is the store path of that file; ``revision`` pins the store version
     (a Hub commit id) when the store has versions, and is not part of the JSON document.
-    ``processed`` is the master's ledger of aggregated deltas, ``[node_id, local_step, etag]``
-    triples, so a master that lost its local state does not aggregate old deltas again.
+    ``processed`` is the recent window of the master's ledger of processed deltas,
+    ``[node_id, local_step, content id]`` triples (the content id is the sha256 of the delta
+    file), and ``nodes`` its per-node summary (highest processed local step, counts, the last
+    delta's base outer step, norm, rejection reason...): together they let a master that lost
+    its local state recognise every old delta (see :mod:`speedtronic_diloco.ledger`). Both are
+    bounded, so the document stays the same size however long the run. ``lease_epoch`` is the
+    epoch of the lease the publication was made under (the fence); ``eval_loss`` the global's
+    held-out loss when the master evaluated it.
     """
 
     outer_step: int
@@ -98,6 +205,9 @@ class GlobalMetadata:
     deltas_included: int = 0
     processed: tuple[tuple[str, int, str | None], ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
+    nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    lease_epoch: int | None = None
+    eval_loss: float | None = None
 
     @classmethod
     def for_file(cls, path: str | Path, outer_step: int, **kwargs: Any) -> GlobalMetadata:
@@ -125,6 +235,9 @@ class GlobalMetadata:
             "master": self.master,
             "deltas_included": self.deltas_included,
             "processed": [list(item) for item in self.processed],
+            **({"nodes": self.nodes} if self.nodes else {}),
+            **({"lease_epoch": self.lease_epoch} if self.lease_epoch is not None else {}),
+            **({"eval_loss": self.eval_loss} if self.eval_loss is not None else {}),
             **({"extra": self.extra} if self.extra else {}),
         }
 
@@ -164,17 +277,35 @@ class GlobalMetadata:
             except (TypeError, ValueError):
                 raise PermanentTransportError(f"{GLOBAL_METADATA}: bad processed entry") from None
         published = data.get("published_at")
+        nodes = data.get("nodes") or {}
+        if not isinstance(nodes, dict) or not all(
+            isinstance(k, str) and isinstance(v, dict) for k, v in nodes.items()
+        ):
+            raise PermanentTransportError(f"{GLOBAL_METADATA}: bad nodes summary")
+        try:
+            epoch = data.get("lease_epoch")
+            lease_epoch = None if epoch is None else int(epoch)
+            loss = data.get("eval_loss")
+            eval_loss = None if loss is None else float(loss)
+            published_at = float(published) if published is not None else None
+        except (TypeError, ValueError):
+            raise PermanentTransportError(
+                f"{GLOBAL_METADATA}: bad lease_epoch, eval_loss or published_at"
+            ) from None
         return cls(
             outer_step=outer_step,
             sha256=sha256,
             size=size,
             model_file=model_file,
             revision=revision,
-            published_at=float(published) if published is not None else None,
+            published_at=published_at,
             master=data.get("master"),
             deltas_included=int(data.get("deltas_included") or 0),
             processed=tuple(processed),
             extra=dict(data.get("extra") or {}),
+            nodes={k: dict(v) for k, v in nodes.items()},
+            lease_epoch=lease_epoch,
+            eval_loss=eval_loss,
         )
 
     @classmethod
@@ -191,9 +322,11 @@ class GlobalMetadata:
 class DeltaInfo:
     """One delta file as a listing shows it, before anything is downloaded.
 
-    ``etag`` is a cheap content fingerprint from the listing (the Hub's LFS sha256 or blob
-    id; size and mtime on a shared directory). A file re-uploaded under the same name (a
-    restarted worker repeating a local step) gets a new etag and is therefore new.
+    ``etag`` is a cheap fingerprint from the listing that changes whenever the file does (the
+    Hub's LFS sha256 or git blob id; size, mtime, ctime and inode on a shared directory). It
+    tells the master which files it must look at again; whether a file is a delta it already
+    processed is decided by its content (sha256), see :mod:`speedtronic_diloco.ledger`.
+    ``modified`` is the file's modification time where the listing shows one (None on the Hub).
     """
 
     node_id: str
@@ -201,6 +334,7 @@ class DeltaInfo:
     path: str
     size: int | None = None
     etag: str | None = None
+    modified: float | None = None
 
     @property
     def key(self) -> tuple[str, int]:
@@ -282,6 +416,34 @@ class Transport(ABC):
     @abstractmethod
     def download_delta(self, info: DeltaInfo, dest: Path) -> Path:
         """Fetch the delta ``info`` names to ``dest`` (written atomically)."""
+
+    # -- optional: the master's lease, bounded storage, status ------------------------------
+
+    def read_lease(self) -> Lease | None:
+        """The store's lease (None when there is none); :class:`UnsupportedOperation` where
+        the store has no lease (then one master is not enforced)."""
+        raise UnsupportedOperation(f"{self.description}: leases are not supported")
+
+    def write_lease(self, lease: Lease, expected: Lease | None) -> Lease:
+        """Replace the store's lease by ``lease`` if it still is ``expected`` (None: no lease),
+        atomically (compare-and-swap); :class:`LeaseConflictError` (carrying the current
+        lease) otherwise. Returns ``lease``."""
+        raise UnsupportedOperation(f"{self.description}: leases are not supported")
+
+    def delete_deltas(self, infos: Sequence[DeltaInfo], *, fence: Lease | None = None) -> int:
+        """Delete the listed delta files whose etag is still the listed one (a file replaced
+        since the listing is kept), in one change where the store has changes (one Hub
+        commit). With ``fence``, only while the store's lease is that holder and epoch
+        (:class:`LeaseLostError` otherwise). Returns how many files were deleted."""
+        raise UnsupportedOperation(f"{self.description}: deleting deltas is not supported")
+
+    def squash_history(self) -> None:  # noqa: B027 - optional hook with a do-nothing default
+        """Drop the store's history of old versions where it keeps one (the Hub's commits);
+        nothing to do elsewhere."""
+
+    def store_bytes(self) -> int | None:
+        """Bytes the store's current files take (None where the store cannot tell)."""
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional hook with a do-nothing default
         """Release connections and handles (idempotent)."""

@@ -20,10 +20,19 @@ The layout is the one of :mod:`speedtronic_diloco.transports.base`. What the Hub
   ``request_timeout`` and the client's hidden retries are cut short, so the DiLoCo retry policy
   is the only one. Failures become transport errors
   (:mod:`speedtronic_diloco.transports.hub_errors`), with the token redacted from every message.
+* **The lease and its fence.** ``global/lease.json`` is written by compare-and-swap: a commit
+  whose ``parent_commit`` is the head the current lease was read at. A publication (and a
+  deletion) reads the lease at the head it commits on and refuses unless the lease names its
+  master and epoch; the commit's ``parent_commit`` makes that check and the commit one atomic
+  step.
+* **Bounded storage.** Processed deltas are deleted in one commit per round (separate from the
+  publication; only files whose content id is still the listed one), and
+  ``squash_history`` squashes the branch into one commit (``HfApi.super_squash_history``).
 * **Explicit endpoint and token.** ``huggingface_hub`` reads ``HF_ENDPOINT`` once, at import;
   here the endpoint comes from the config or from ``HF_ENDPOINT`` when the transport is built.
   The token comes from the config or, when unset, from the client's own lookup (``HF_TOKEN``,
-  ``hf auth login``) at each request. It is never logged or stored.
+  ``hf auth login``) at each request. It is never logged or stored, and neither are the
+  credentials of an endpoint URL (``https://user:pass@host`` prints as ``<redacted>@host``).
 """
 
 from __future__ import annotations
@@ -35,10 +44,18 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import urlsplit
 
-from huggingface_hub import CommitOperationAdd, HfApi, get_token, hf_hub_url
+from huggingface_hub import (
+    CommitOperationAdd,
+    CommitOperationDelete,
+    HfApi,
+    get_token,
+    hf_hub_url,
+)
 from huggingface_hub.errors import (
     HfHubHTTPError,
+    HfUriError,
     RemoteEntryNotFoundError,
     RevisionNotFoundError,
 )
@@ -50,16 +67,23 @@ from speedtronic_diloco.identity import validate_node_id
 from speedtronic_diloco.transports.base import (
     GLOBAL_METADATA,
     GLOBAL_WEIGHTS,
+    LEASE_FILE,
+    LEASE_LIMIT,
+    METADATA_LIMIT,
     DeltaInfo,
     GlobalMetadata,
     IntegrityError,
+    Lease,
+    LeaseConflictError,
     PermanentTransportError,
     TransientTransportError,
     Transport,
     UnsupportedOperation,
+    check_fence,
     delta_path,
     is_global_file,
     parse_delta_path,
+    redact_userinfo,
     write_verified,
 )
 from speedtronic_diloco.transports.hub_errors import classify, redact
@@ -76,7 +100,6 @@ DEFAULT_ENDPOINT = "https://huggingface.co"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _GIT_OID = re.compile(r"^[0-9a-f]{40}$")
-_METADATA_LIMIT = 16 << 20  # a step_count.json beyond this is not ours
 _HEAD_RACES = 5  # commits again at most this often when deltas keep moving the branch
 _CHUNK = 1 << 20
 _LIBRARY = {"library_name": "speedtronic-diloco", "library_version": __version__}
@@ -93,7 +116,9 @@ def resolve_endpoint(endpoint: str | None = None) -> str:
     froze at import), else ``https://huggingface.co``."""
     url = (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).strip().rstrip("/")
     if not url.startswith(("http://", "https://")):
-        raise PermanentTransportError(f"Hub endpoint {url!r} is not an http(s) URL")
+        raise PermanentTransportError(
+            f"Hub endpoint {redact_userinfo(url)!r} is not an http(s) URL"
+        )
     return url
 
 
@@ -107,15 +132,33 @@ def _repo_commit(response: Any) -> str | None:
     return None
 
 
-def _mentions(error: BaseException | None, secret: str | None) -> bool:
-    """Whether ``secret`` appears in ``error`` or any exception chained to it."""
+def _mentions(error: BaseException | None, clean: Callable[[str], str]) -> bool:
+    """Whether ``error`` or any exception chained to it says something that ``clean``
+    (redaction) would change."""
     seen: set[int] = set()
-    while secret and error is not None and id(error) not in seen:
+    while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if secret in str(error) or secret in repr(error.args):
-            return True
+        for text in (_text(error), repr(error.args)):
+            if clean(text) != text:
+                return True
         error = error.__cause__ or error.__context__
     return False
+
+
+def _text(error: BaseException) -> str:
+    try:
+        return str(error)
+    except Exception:
+        return type(error).__name__
+
+
+def _rebuilt(error: Exception, message: str) -> Exception:
+    """A copy of the transport error ``error`` with ``message`` (its attributes kept)."""
+    if isinstance(error, LeaseConflictError):
+        clean: Exception = LeaseConflictError(message, error.current)
+    else:
+        clean = type(error)(message)
+    return clean
 
 
 class HubTransport(Transport):
@@ -134,7 +177,8 @@ class HubTransport(Transport):
     ) -> None:
         if not _REPO_ID.match(repo_id or ""):
             raise PermanentTransportError(
-                f"distributed.repo_id {repo_id!r} is not a Hub repository id of the form "
+                f"distributed.repo_id {redact_userinfo(repr(repo_id))} is not a Hub repository "
+                "id of the form "
                 "'<user or org>/<name>' (use a file:// URL or an absolute path for a shared "
                 "directory)"
             )
@@ -144,8 +188,11 @@ class HubTransport(Transport):
         self.endpoint = resolve_endpoint(endpoint)
         self.request_timeout = float(request_timeout)
         self._token = token or None
+        netloc = urlsplit(self.endpoint).netloc
+        self._userinfo = netloc.rpartition("@")[0] if "@" in netloc else None
         self._api = HfApi(endpoint=self.endpoint, token=self._token, **_LIBRARY)
-        where = "" if self.endpoint == DEFAULT_ENDPOINT else f" on {self.endpoint}"
+        shown = redact_userinfo(self.endpoint)
+        where = "" if self.endpoint == DEFAULT_ENDPOINT else f" on {shown}"
         self.description = f"hf://{repo_id}{where}"
         self._publish_lock = threading.Lock()
 
@@ -163,28 +210,39 @@ class HubTransport(Transport):
         )
 
     def __repr__(self) -> str:
-        return f"HubTransport({self.repo_id!r}, endpoint={self.endpoint!r})"
+        return f"HubTransport({self.repo_id!r}, endpoint={redact_userinfo(self.endpoint)!r})"
 
     # -- plumbing ------------------------------------------------------------------------
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
-        """Run ``fn`` with bounded requests; translate client failures (token redacted)."""
+        """Run ``fn`` with bounded requests; translate client failures (the token and the
+        endpoint's credentials redacted, from the message and from the exception chain)."""
         try:
             with hub_call(self.request_timeout):
                 return fn()
         except Exception as exc:
+            failure = exc
             error = classify(exc, f"{self.description}: {what}")
             if error is None:  # a programming error: keep it as it is
                 raise
-            secret = self._secret()
-            cause = exc.__cause__ if error is exc else exc
-            # A server echoing the token must not leak it through the chained exception either.
-            leaked = _mentions(error, secret) or _mentions(cause, secret)
-            if error is exc and not leaked:
-                raise
-            clean = type(error)(redact(str(error), secret))
-            clean.__dict__.update(error.__dict__)  # retry_after and the like
-            raise clean from (None if leaked else cause)
+        # Raised outside the except block, so that a redacted error keeps no __context__.
+        cause = failure.__cause__ if error is failure else failure
+        # A server echoing a secret must not leak it through the chained exceptions either.
+        leaked = _mentions(error, self._redact) or _mentions(cause, self._redact)
+        if error is failure and not leaked:
+            raise failure
+        clean = _rebuilt(error, self._redact(_text(error)))
+        clean.__dict__.update(error.__dict__)  # retry_after and the like
+        if leaked:
+            raise clean from None
+        raise clean from cause
+
+    def _redact(self, text: str) -> str:
+        """``text`` without the token and the endpoint URL's credentials."""
+        text = redact(text, self._secret())
+        if self._userinfo:
+            text = text.replace(self._userinfo, "<redacted>")
+        return text
 
     def _secret(self) -> str | None:
         """The token in use, only ever to redact it from messages."""
@@ -196,7 +254,9 @@ class HubTransport(Transport):
     def _headers(self) -> dict[str, str]:
         return build_hf_headers(token=self._token, **_LIBRARY)
 
-    def _get_bytes(self, path: str, revision: str) -> tuple[str | None, bytes | None]:
+    def _get_bytes(
+        self, path: str, revision: str, limit: int = METADATA_LIMIT
+    ) -> tuple[str | None, bytes | None]:
         """``(commit, content)`` of a small file at ``revision``; content None when the file
         does not exist there (the repository itself missing still raises)."""
         url = hf_hub_url(self.repo_id, path, revision=revision, endpoint=self.endpoint)
@@ -209,8 +269,8 @@ class HubTransport(Transport):
             data = bytearray()
             for chunk in response.iter_bytes(_CHUNK):
                 data += chunk
-                if len(data) > _METADATA_LIMIT:
-                    raise PermanentTransportError(f"{path} is larger than {_METADATA_LIMIT} bytes")
+                if len(data) > limit:
+                    raise PermanentTransportError(f"{path} is larger than {limit} bytes")
             return commit, bytes(data)
 
     def _download(
@@ -250,10 +310,17 @@ class HubTransport(Transport):
     def create_store(self, *, private: bool = True) -> None:
         """Create the repository (private by default; an existing one is left as it is), then
         warn loudly if it is public although ``private`` was asked for."""
-        self._call(
-            "create repository",
-            lambda: self._api.create_repo(self.repo_id, private=private, exist_ok=True),
-        )
+
+        def create() -> None:
+            try:
+                self._api.create_repo(self.repo_id, private=private, exist_ok=True)
+            except HfUriError:
+                # create_repo was refused (401/402/403), found the repository through repo_info
+                # and then failed to parse the URL of an endpoint that is not huggingface.co (a
+                # mirror, a test server): the repository exists and can be read.
+                log.debug("%s: the repository already exists", self.description)
+
+        self._call("create repository", create)
         info = self._call(
             "check repository visibility",
             lambda: self._api.model_info(self.repo_id, timeout=self.request_timeout),
@@ -281,16 +348,24 @@ class HubTransport(Transport):
         )
 
     def _head_metadata(self) -> tuple[str, bytes | None]:
-        """``(head commit, step_count.json at that commit or None)``, consistent with each
-        other: one GET of the branch head normally (the reply names its commit); if a proxy
-        dropped that header, the head is looked up first and the file read pinned to it."""
-        commit, raw = self._get_bytes(GLOBAL_METADATA, "main")
+        """``(head commit, step_count.json at that commit or None)``."""
+        return self._head_file(GLOBAL_METADATA)
+
+    def _head_file(self, path: str, limit: int = METADATA_LIMIT) -> tuple[str, bytes | None]:
+        """``(head commit, the file at that commit or None)``, consistent with each other: one
+        GET of the branch head normally (the reply names its commit); if a proxy dropped that
+        header, the head is looked up first and the file read pinned to it."""
+        commit, raw = self._get_bytes(path, "main", limit)
         if commit is not None:
             return commit, raw
         head = self._api.model_info(self.repo_id, revision="main", timeout=self.request_timeout)
         if not head.sha:
             raise TransientTransportError(f"{self.description}: the Hub named no head commit")
-        return head.sha, self._get_bytes(GLOBAL_METADATA, head.sha)[1]
+        return head.sha, self._get_bytes(path, head.sha, limit)[1]
+
+    def _lease_at(self, revision: str) -> Lease | None:
+        raw = self._get_bytes(LEASE_FILE, revision, LEASE_LIMIT)[1]
+        return None if raw is None else Lease.loads(raw, f"{self.description}: {LEASE_FILE}")
 
     def read_global_metadata(self) -> GlobalMetadata | None:
         """``global/step_count.json`` of the branch head, pinned to that head's commit."""
@@ -351,6 +426,13 @@ class HubTransport(Transport):
                     head[:12],
                 )
                 return published.with_revision(head)
+            if published.lease_epoch is not None:
+                check_fence(
+                    self._lease_at(head),
+                    published.master or "",
+                    published.lease_epoch,
+                    f"{self.description}: publishing outer step {published.outer_step}",
+                )
             if current is not None:
                 self._refuse_if_not_newer(current, head, published, raced)
             operations = [weights_op, CommitOperationAdd(GLOBAL_METADATA, payload)]
@@ -390,6 +472,20 @@ class HubTransport(Transport):
             return
         if remote.outer_step < published.outer_step:
             return
+        ours, theirs = published.lease_epoch, remote.lease_epoch
+        if ours is not None and (theirs is None or theirs < ours):
+            # Written without a lease or under an older one, and ours is checked at this very
+            # head: this master is the store's master now, and its numbering wins.
+            log.warning(
+                "%s: the published metadata claims outer step %d (lease epoch %s); this master "
+                "holds lease epoch %d and replaces it with outer step %d",
+                self.description,
+                remote.outer_step,
+                theirs,
+                ours,
+                published.outer_step,
+            )
+            return
         how = " (the Hub refused our commit with HTTP 412: it raced with it)" if raced else ""
         raise PublishConflictError(
             f"{self.description}: master {remote.master or '?'!r} already published outer step "
@@ -418,25 +514,7 @@ class HubTransport(Transport):
         """Every delta under ``nodes/`` from one recursive tree listing (no downloads); the
         etag is the LFS sha256 when the file is in LFS, else its git blob id."""
 
-        def listing() -> list[Any]:
-            try:
-                return list(
-                    self._api.list_repo_tree(
-                        self.repo_id, path_in_repo="nodes", recursive=True, revision="main"
-                    )
-                )
-            except RemoteEntryNotFoundError:  # no node has uploaded yet
-                return []
-
-        found: list[DeltaInfo] = []
-        for entry in self._call("list deltas", listing):
-            if not isinstance(entry, RepoFile):
-                continue
-            parsed = parse_delta_path(entry.path)
-            if parsed is None:
-                continue
-            etag = entry.lfs.sha256 if entry.lfs is not None else entry.blob_id
-            found.append(DeltaInfo(parsed[0], parsed[1], entry.path, entry.size, etag))
+        found = self._call("list deltas", lambda: self._deltas_at("main"))
         return sorted(found, key=lambda info: info.key)
 
     def download_delta(self, info: DeltaInfo, dest: Path) -> Path:
@@ -454,6 +532,118 @@ class HubTransport(Transport):
                 git_oid=etag if _GIT_OID.match(etag) else None,
             ),
         )
+
+    # -- the lease, bounded storage, status -------------------------------------------------
+
+    def read_lease(self) -> Lease | None:
+        """``global/lease.json`` at the branch head; None when there is none."""
+        _, raw = self._call("read the lease", lambda: self._head_file(LEASE_FILE, LEASE_LIMIT))
+        return None if raw is None else Lease.loads(raw, f"{self.description}: {LEASE_FILE}")
+
+    def write_lease(self, lease: Lease, expected: Lease | None) -> Lease:
+        """Commit ``lease`` on the head at which the lease was read, if it still is
+        ``expected`` (a branch moved by other commits is read again)."""
+        return self._call(f"write {LEASE_FILE}", lambda: self._write_lease(lease, expected))
+
+    def _write_lease(self, lease: Lease, expected: Lease | None) -> Lease:
+        for _ in range(_HEAD_RACES):
+            head, raw = self._head_file(LEASE_FILE, LEASE_LIMIT)
+            try:
+                current = None if raw is None else Lease.loads(raw, self.description)
+            except PermanentTransportError:  # a malformed lease is no lease
+                current = None
+            if current == lease:  # an earlier attempt landed and only its reply was lost
+                return lease
+            if current != expected:
+                raise LeaseConflictError(
+                    f"{self.description}: the lease changed (now {current})", current
+                )
+            try:
+                self._api.create_commit(
+                    self.repo_id,
+                    [CommitOperationAdd(LEASE_FILE, lease.dumps())],
+                    commit_message=f"DumbDiLoCo: lease of {lease.holder}, epoch {lease.epoch}",
+                    parent_commit=head,
+                )
+            except HfHubHTTPError as exc:
+                if exc.response is None or exc.response.status_code != 412:
+                    raise
+                continue
+            return lease
+        raise TransientTransportError(
+            f"{self.description}: the branch moved {_HEAD_RACES} times while writing the lease"
+        )
+
+    def delete_deltas(self, infos: Sequence[DeltaInfo], *, fence: Lease | None = None) -> int:
+        """One commit deleting the listed deltas whose content id at the head is still the
+        listed one, on that head (fenced by the lease read there)."""
+        if not infos:
+            return 0
+        return self._call(
+            f"delete {len(infos)} processed deltas", lambda: self._delete(list(infos), fence)
+        )
+
+    def _delete(self, infos: list[DeltaInfo], fence: Lease | None) -> int:
+        for _ in range(_HEAD_RACES):
+            head, raw = self._head_file(LEASE_FILE, LEASE_LIMIT)
+            if fence is not None:
+                current = None if raw is None else Lease.loads(raw, f"{self.description}: lease")
+                check_fence(current, fence.holder, fence.epoch, f"{self.description}: delete")
+            present = {info.path: info.etag for info in self._deltas_at(head)}
+            doomed = [info.path for info in infos if present.get(info.path) == info.etag]
+            if not doomed:
+                return 0
+            try:
+                self._api.create_commit(
+                    self.repo_id,
+                    [CommitOperationDelete(path_in_repo=path) for path in doomed],
+                    commit_message=f"DumbDiLoCo: delete {len(doomed)} processed deltas",
+                    parent_commit=head,
+                )
+            except HfHubHTTPError as exc:
+                if exc.response is None or exc.response.status_code != 412:
+                    raise
+                continue
+            return len(doomed)
+        raise TransientTransportError(
+            f"{self.description}: the branch moved {_HEAD_RACES} times while deleting deltas"
+        )
+
+    def _deltas_at(self, revision: str) -> list[DeltaInfo]:
+        try:
+            entries = list(
+                self._api.list_repo_tree(
+                    self.repo_id, path_in_repo="nodes", recursive=True, revision=revision
+                )
+            )
+        except RemoteEntryNotFoundError:
+            return []
+        found = []
+        for entry in entries:
+            parsed = parse_delta_path(entry.path) if isinstance(entry, RepoFile) else None
+            if parsed is not None:
+                etag = entry.lfs.sha256 if entry.lfs is not None else entry.blob_id
+                found.append(DeltaInfo(parsed[0], parsed[1], entry.path, entry.size, etag))
+        return found
+
+    def squash_history(self) -> None:
+        """Squash the branch into one commit (``HfApi.super_squash_history``): the storage of
+        old versions is freed, and every older commit id stops resolving."""
+        self._call(
+            "squash the history",
+            lambda: self._api.super_squash_history(
+                self.repo_id, branch="main", commit_message="DumbDiLoCo: squashed history"
+            ),
+        )
+
+    def store_bytes(self) -> int | None:
+        """Bytes of the files at the branch head (the history the Hub keeps is not counted)."""
+
+        def size() -> int:
+            entries = self._api.list_repo_tree(self.repo_id, recursive=True, revision="main")
+            return sum(entry.size or 0 for entry in entries if isinstance(entry, RepoFile))
+
+        return self._call("measure the repository", size)
 
     def close(self) -> None:
         """Nothing to release: connections belong to the client's shared pool."""

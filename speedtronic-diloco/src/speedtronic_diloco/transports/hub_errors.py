@@ -1,12 +1,19 @@
 """How failures of the Hugging Face Hub client become DiLoCo transport errors.
 
 Transient (retry later, honouring ``Retry-After``): timeouts, connection errors, 408, 429,
-5xx, 409 "another conflicting operation is in progress". Permanent (retrying cannot help):
-401, 403, 404 (repository, revision or file missing), 400 and other 4xx, offline mode, a bad
-repository id. Anything else is a programming error and is not translated.
+5xx, 409 "another conflicting operation is in progress", a failed Xet transfer, local I/O
+trouble. Permanent (retrying cannot help): 401, 403, 404 (repository, revision or file missing),
+400 and other 4xx, offline mode, a bad repository id, a URL the client cannot parse
+(``HfUriError``: ``create_repo`` raises it after a 401/403 against a mirror or test server), no
+token, and every other exception type ``huggingface_hub`` defines (``huggingface_hub.errors``
+and its private modules): the client raised it on purpose, so it is not a programming error of
+ours. Anything else (a ``TypeError``...) is a programming error and is not translated.
 
 ``hf_hub_download`` hides 403/429/5xx/timeouts inside ``LocalEntryNotFoundError``; the real
 error is its ``__cause__`` and is classified instead.
+
+:func:`redact` removes the token and the credentials of every URL (``https://user:pass@host``)
+from a message; the transport applies it to every error it raises.
 """
 
 from __future__ import annotations
@@ -18,20 +25,26 @@ from collections.abc import Mapping
 
 from huggingface_hub.errors import (
     DisabledRepoError,
+    EntryNotFoundError,
+    FileMetadataError,
     GatedRepoError,
     HfHubHTTPError,
+    HfUriError,
     HFValidationError,
     LocalEntryNotFoundError,
+    LocalTokenNotFoundError,
     OfflineModeIsEnabled,
     RemoteEntryNotFoundError,
     RepositoryNotFoundError,
     RevisionNotFoundError,
+    XetDownloadError,
 )
 
 from speedtronic_diloco.transports.base import (
     PermanentTransportError,
     TransientTransportError,
     TransportError,
+    redact_userinfo,
 )
 from speedtronic_diloco.transports.hub_session import HubRequestFailed, http, safe_url
 
@@ -66,10 +79,24 @@ def retry_after(headers: Mapping[str, str]) -> float | None:
 
 
 def redact(text: str, secret: str | None) -> str:
-    """``text`` with ``secret`` (the Hub token) replaced by ``<redacted>``."""
+    """``text`` with ``secret`` (the Hub token) and the userinfo of every URL replaced by
+    ``<redacted>``."""
     if secret and len(secret) >= 4:
-        return text.replace(secret, "<redacted>")
-    return text
+        text = text.replace(secret, "<redacted>")
+    return redact_userinfo(text)
+
+
+def _text(error: BaseException) -> str:
+    """``str(error)``, even for an exception whose ``__str__`` needs attributes it lacks."""
+    try:
+        return str(error)
+    except Exception:
+        return type(error).__name__
+
+
+def _from_client(error: BaseException) -> bool:
+    """True for the exception types ``huggingface_hub`` itself defines."""
+    return type(error).__module__.split(".")[0] == "huggingface_hub"
 
 
 def _transient(message: str, wait: float | None = None) -> TransientTransportError:
@@ -84,7 +111,7 @@ def _server_detail(error: HfHubHTTPError) -> str:
 
 
 def _classify_http(error: HfHubHTTPError, what: str) -> TransportError:
-    response = error.response
+    response = getattr(error, "response", None)
     status = response.status_code if response is not None else None
     detail = _server_detail(error)
     if isinstance(error, RepositoryNotFoundError):
@@ -123,6 +150,11 @@ def classify(error: BaseException, what: str) -> TransportError | None:
         return error
     if isinstance(error, LocalEntryNotFoundError) and error.__cause__ is not None:
         return classify(error.__cause__, what)
+    if isinstance(error, HfUriError):
+        return PermanentTransportError(
+            f"{what}: the Hub client could not parse a URL of this endpoint ({_text(error)}); "
+            "is distributed.endpoint a Hugging Face Hub?"
+        )
     if isinstance(error, HubRequestFailed):
         wait = retry_after(error.headers) if error.status is not None else None
         return _transient(f"{what}: {error}", wait)
@@ -140,6 +172,23 @@ def classify(error: BaseException, what: str) -> TransportError | None:
         return _transient(f"{what}: connection failed: {type(error).__name__}{where}")
     if isinstance(error, HFValidationError):
         return PermanentTransportError(f"{what}: {error}")
+    if isinstance(error, http.InvalidURL):
+        return PermanentTransportError(f"{what}: bad Hub endpoint URL ({_text(error)})")
+    if isinstance(error, LocalTokenNotFoundError):
+        return PermanentTransportError(
+            f"{what}: no Hub token: set HF_TOKEN (or run `hf auth login`)"
+        )
+    if isinstance(error, EntryNotFoundError):
+        return PermanentTransportError(f"{what}: file not found ({_text(error)})")
+    if isinstance(error, FileMetadataError):
+        return PermanentTransportError(
+            f"{what}: the server's reply lacks the Hub's file metadata ({_text(error)}); "
+            "is distributed.endpoint a Hugging Face Hub?"
+        )
+    if isinstance(error, XetDownloadError):
+        return _transient(f"{what}: Xet transfer failed ({_text(error)})")
+    if _from_client(error):  # any other type the client raises on purpose
+        return PermanentTransportError(f"{what}: {type(error).__name__}: {_text(error)}")
     if isinstance(error, (PermissionError, FileNotFoundError, IsADirectoryError)):
         return PermanentTransportError(f"{what}: {error}")  # a local file: missing, forbidden
     if isinstance(error, OSError):  # local I/O trouble (full disk...) may pass

@@ -31,6 +31,8 @@ from typing import Any
 
 from huggingface_hub.utils import get_session, set_client_factory
 
+from speedtronic_diloco.transports.base import redact_userinfo
+
 try:  # the HTTP library the installed client uses: httpx2 for huggingface_hub 2.x
     from huggingface_hub.utils import httpx as http
 except ImportError:  # huggingface_hub 1.x
@@ -65,9 +67,10 @@ class HubRequestFailed(Exception):
 
 
 def safe_url(url: Any) -> str:
-    """``url`` without its query string: redirects to a CDN carry signed, secret-like queries."""
+    """``url`` without its query string (redirects to a CDN carry signed, secret-like queries)
+    and without credentials (``https://user:pass@host`` becomes ``https://<redacted>@host``)."""
     text = str(url)
-    return text.split("?", 1)[0]
+    return redact_userinfo(text.split("?", 1)[0])
 
 
 class BoundedClient(http.Client):  # type: ignore[misc,name-defined]

@@ -1,12 +1,25 @@
 """A DumbDiLoCo store in a plain directory: one machine, or a network filesystem.
 
-Publication is atomic without locks. The weights are first written under an immutable
-version name (``global/v<outer_step>-<sha12>.safetensors``: temp file, fsync, rename), then
-``global/latest.safetensors`` is replaced by a hard link (or copy) of it, and only then is
-``global/step_count.json`` replaced, pointing ``model_file`` at the version file. A reader that
-follows the metadata therefore always finds exactly the weights the metadata describes, and
-verifies them by sha256. Superseded version files are pruned, keeping a few so that a reader
-holding slightly older metadata can still finish its download.
+**Publication** is atomic. The weights are first written under an immutable version name
+(``global/v<outer_step>-<sha12>.safetensors``: temp file, fsync, rename). Then, under the store's
+exclusive lock, the lease in ``global/lease.json`` is checked against the publication's holder
+and epoch (the fence; see :mod:`speedtronic_diloco.lease`), ``global/latest.safetensors`` is
+replaced by a hard link (or copy) of the version file, and ``global/step_count.json`` is replaced,
+pointing ``model_file`` at the version file. A reader that follows the metadata therefore always
+finds exactly the weights the metadata describes, and verifies them by sha256. Superseded version
+files are pruned, keeping a few so that a reader holding slightly older metadata can still finish
+its download.
+
+**The lock** is ``global/.lock``, held with ``fcntl.lockf`` (POSIX record locks, which NFS
+serves through its lock manager: NFSv4, or NFSv3 with ``lockd`` running; not on mounts with
+``nolock``) plus a per-process thread lock (POSIX locks do not exclude threads of one process).
+Only writers of ``global/`` take it (publication, lease, deletion); readers never wait.
+
+**Hostile files.** Everything read from the store is opened without following a final symlink
+after resolving it, must resolve to a path inside the store, and must be a regular file: FIFOs,
+devices, sockets and symlinks pointing outside the store are refused with their path (a FIFO
+would block a read forever, ``/dev/zero`` would fill the disk). Reads stop at the size the
+metadata or the listing promised (``step_count.json`` and ``lease.json`` at a fixed limit).
 """
 
 from __future__ import annotations
@@ -16,34 +29,51 @@ import logging
 import os
 import re
 import shutil
+import stat
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import BinaryIO, TypeVar
 
 from speedtronic.checkpoint.fileio import atomic_write_bytes, fsync_dir
 from speedtronic_diloco.identity import validate_node_id
 from speedtronic_diloco.transports.base import (
     GLOBAL_METADATA,
     GLOBAL_WEIGHTS,
+    LEASE_FILE,
+    LEASE_LIMIT,
+    METADATA_LIMIT,
     DeltaInfo,
     GlobalMetadata,
+    Lease,
+    LeaseConflictError,
     PermanentTransportError,
     TransientTransportError,
     Transport,
+    check_fence,
     delta_path,
     parse_delta_path,
+    redact_userinfo,
     write_verified,
 )
 
-__all__ = ["KEEP_VERSIONS", "SharedDirectoryTransport", "shared_dir_root"]
+try:
+    import fcntl
+except ImportError:  # not POSIX: only threads of this process are excluded
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["KEEP_VERSIONS", "LOCK_FILE", "SharedDirectoryTransport", "shared_dir_root"]
 
 log = logging.getLogger("speedtronic.diloco.shared_dir")
 
 _VERSION = re.compile(r"^v(\d+)-[0-9a-f]{12}\.safetensors$")
 KEEP_VERSIONS = 3
+LOCK_FILE = "global/.lock"
 _CHUNK = 1 << 20
 T = TypeVar("T")
+
+_PROCESS_LOCKS: dict[str, threading.Lock] = {}
+_PROCESS_LOCKS_GUARD = threading.Lock()
 
 
 def shared_dir_root(repo_id: str) -> Path | None:
@@ -57,7 +87,9 @@ def shared_dir_root(repo_id: str) -> Path | None:
         if rest.startswith("localhost/"):
             rest = rest[len("localhost") :]
         if not rest:
-            raise PermanentTransportError(f"distributed.repo_id {repo_id!r} names no directory")
+            raise PermanentTransportError(
+                f"distributed.repo_id {redact_userinfo(repr(repo_id))} names no directory"
+            )
         return Path(rest)
     path = Path(repo_id).expanduser() if repo_id.startswith("~") else Path(repo_id)
     return path if path.is_absolute() else None
@@ -73,20 +105,21 @@ def _classify(what: str, call: Callable[[], T]) -> T:
         raise TransientTransportError(f"{what}: {exc}") from exc
 
 
-def _read_chunks(source: Path) -> Iterator[bytes]:
-    with open(source, "rb") as reader:
-        while chunk := reader.read(_CHUNK):
-            yield chunk
-
-
-def _copy_verified(source: Path, dest: Path, size: int | None, sha256: str | None) -> Path:
-    """Copy ``source`` to ``dest`` atomically, checking size/sha256 of the bytes copied."""
-    try:
-        return write_verified(
-            _read_chunks(source), dest, where=str(source), size=size, sha256=sha256
-        )
-    except FileNotFoundError as exc:
-        raise TransientTransportError(f"{source} is gone (replaced by a newer version?)") from exc
+def _kind(mode: int) -> str | None:
+    """What a non-regular file is, in words; None for a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISLNK, "a symlink"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
 
 
 class SharedDirectoryTransport(Transport):
@@ -94,9 +127,116 @@ class SharedDirectoryTransport(Transport):
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
-        self.description = f"file://{self.root}"
-        self._publish_lock = threading.Lock()
+        self.description = redact_userinfo(f"file://{self.root}")
+        self._refused: set[tuple[str, str]] = set()
 
+    # ------------------------------------------------------------------ plumbing
+    def _real_root(self) -> str:
+        return os.path.realpath(self.root)
+
+    def _inside(self, real: str) -> bool:
+        root = self._real_root()
+        return real == root or real.startswith(root.rstrip(os.sep) + os.sep)
+
+    def _refuse(self, path: Path, why: str) -> PermanentTransportError:
+        """The error for a refused store file; logged once per file and reason."""
+        message = f"{path}: {why}; refused"
+        if (str(path), why) not in self._refused:
+            if len(self._refused) > 10_000:
+                self._refused.clear()
+            self._refused.add((str(path), why))
+            log.warning("%s (a hostile or broken file in the store)", message)
+        return PermanentTransportError(message)
+
+    def _check_link(self, path: Path) -> None:
+        """Refuse ``path`` when it resolves outside the store."""
+        real = os.path.realpath(path)
+        if not self._inside(real):
+            raise self._refuse(path, f"a symlink pointing outside the store (to {real})")
+
+    @contextlib.contextmanager
+    def _open_regular(self, path: Path) -> Iterator[tuple[BinaryIO, int]]:
+        """``(reader, size)`` of the regular file ``path`` inside the store; refuses special
+        files and symlinks out of the store without blocking on them (FileNotFoundError when
+        it does not exist)."""
+        self._check_link(path)
+        real = os.path.realpath(path)
+        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0)
+        try:
+            fd = os.open(real, flags | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            if isinstance(exc, (FileNotFoundError, PermissionError)):
+                raise
+            with contextlib.suppress(OSError):  # ENXIO (socket), ELOOP (swapped for a link)...
+                kind = _kind(os.lstat(real).st_mode)
+                if kind is not None:
+                    raise self._refuse(path, f"{kind}, not a regular file") from None
+            raise
+        try:
+            info = os.fstat(fd)
+            kind = _kind(info.st_mode)
+            if kind is not None:
+                raise self._refuse(path, f"{kind}, not a regular file")
+            os.set_blocking(fd, True)
+            reader = os.fdopen(fd, "rb")
+        except BaseException:
+            os.close(fd)
+            raise
+        with reader:
+            yield reader, info.st_size
+
+    def _chunks(self, path: Path, limit: int | None) -> Iterator[bytes]:
+        """The bytes of ``path``, at most ``limit + 1`` of them (one more than promised, so
+        that a too-long file is detected without reading it all)."""
+        with self._open_regular(path) as (reader, size):
+            left = (size if limit is None else limit) + 1
+            while left > 0 and (chunk := reader.read(min(_CHUNK, left))):
+                left -= len(chunk)
+                yield chunk
+
+    def _read_small(self, path: Path, limit: int) -> bytes | None:
+        """A small file's bytes (None when missing); PermanentTransportError past ``limit``."""
+        try:
+            data = b"".join(self._chunks(path, limit))
+        except FileNotFoundError:
+            return None
+        if len(data) > limit:
+            raise PermanentTransportError(f"{path} is larger than {limit} bytes; not ours")
+        return data
+
+    def _copy_verified(
+        self, source: Path, dest: Path, size: int | None, sha256: str | None
+    ) -> Path:
+        """Copy the store file ``source`` to ``dest`` atomically, reading at most ``size``
+        bytes (+1) and checking size/sha256 of the bytes copied."""
+        try:
+            return write_verified(
+                self._chunks(source, size), dest, where=str(source), size=size, sha256=sha256
+            )
+        except FileNotFoundError as exc:
+            raise TransientTransportError(
+                f"{source} is gone (replaced by a newer version?)"
+            ) from exc
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """The store's writer lock: this process's threads, then other processes (lockf)."""
+        with _PROCESS_LOCKS_GUARD:
+            thread_lock = _PROCESS_LOCKS.setdefault(self._real_root(), threading.Lock())
+        with thread_lock:
+            if fcntl is None:
+                yield
+                return
+            path = self.root / LOCK_FILE
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "a+b") as handle:
+                fcntl.lockf(handle.fileno(), fcntl.LOCK_EX)
+                try:
+                    yield
+                finally:
+                    fcntl.lockf(handle.fileno(), fcntl.LOCK_UN)
+
+    # ------------------------------------------------------------------ interface
     def create_store(self, *, private: bool = True) -> None:
         """Create ``root``, ``global/`` and ``nodes/`` (visibility is the filesystem's)."""
         for sub in ("global", "nodes"):
@@ -108,14 +248,7 @@ class SharedDirectoryTransport(Transport):
     def read_global_metadata(self) -> GlobalMetadata | None:
         """Parse ``global/step_count.json``; None when the store or the file does not exist."""
         path = self.root / GLOBAL_METADATA
-
-        def read() -> bytes | None:
-            try:
-                return path.read_bytes()
-            except FileNotFoundError:
-                return None
-
-        raw = _classify(f"read {path}", read)
+        raw = _classify(f"read {path}", lambda: self._read_small(path, METADATA_LIMIT))
         return None if raw is None else GlobalMetadata.loads(raw)
 
     def download_global(self, metadata: GlobalMetadata, dest: Path) -> Path:
@@ -123,20 +256,33 @@ class SharedDirectoryTransport(Transport):
         source = self.root / metadata.model_file
         return _classify(
             f"download {source}",
-            lambda: _copy_verified(source, Path(dest), metadata.size, metadata.sha256),
+            lambda: self._copy_verified(source, Path(dest), metadata.size, metadata.sha256),
         )
 
     def publish_global(self, weights: Path, metadata: GlobalMetadata) -> GlobalMetadata:
-        """Version file, then ``latest.safetensors``, then the metadata (see module doc)."""
-        with self._publish_lock:
-            return _classify(f"publish to {self.root}", lambda: self._publish(weights, metadata))
+        """Version file, then (locked, fenced) ``latest.safetensors`` and the metadata."""
+        return _classify(f"publish to {self.root}", lambda: self._publish(weights, metadata))
 
     def _publish(self, weights: Path, metadata: GlobalMetadata) -> GlobalMetadata:
         version = f"global/v{metadata.outer_step:08d}-{metadata.sha256[:12]}.safetensors"
-        _copy_verified(Path(weights), self.root / version, metadata.size, metadata.sha256)
-        self._replace_latest(self.root / version)
+        write_verified(
+            _local_chunks(Path(weights)),
+            self.root / version,
+            where=str(weights),
+            size=metadata.size,
+            sha256=metadata.sha256,
+        )
         published = metadata.with_revision(None, model_file=version)
-        atomic_write_bytes(self.root / GLOBAL_METADATA, published.dumps())
+        with self._exclusive():
+            if metadata.lease_epoch is not None:
+                check_fence(
+                    self._lease_now(),
+                    metadata.master or "",
+                    metadata.lease_epoch,
+                    f"{self.description}: publishing outer step {metadata.outer_step}",
+                )
+            self._replace_latest(self.root / version)
+            atomic_write_bytes(self.root / GLOBAL_METADATA, published.dumps())
         self._prune_versions(keep=version)
         return published
 
@@ -169,10 +315,15 @@ class SharedDirectoryTransport(Transport):
         """Copy ``source`` into ``nodes/<node_id>/`` under a temp name, then rename."""
         validate_node_id(node_id)
         dest = self.root / delta_path(node_id, local_step)
-        _classify(f"upload {dest}", lambda: _copy_verified(Path(source), dest, None, None))
+        _classify(
+            f"upload {dest}",
+            lambda: write_verified(_local_chunks(Path(source)), dest, where=str(source)),
+        )
 
     def list_deltas(self) -> list[DeltaInfo]:
-        """Stat every ``nodes/*/delta_*.safetensors``; etag is size plus mtime in ns."""
+        """Stat every ``nodes/*/delta_*.safetensors`` (no content is read); the etag is size,
+        mtime, ctime and inode, which change whenever the file does. Special files and
+        symlinks out of the store are left out (logged once with their path)."""
         nodes = self.root / "nodes"
         try:
             node_dirs = sorted(os.listdir(nodes))
@@ -182,38 +333,118 @@ class SharedDirectoryTransport(Transport):
             raise TransientTransportError(f"list {nodes}: {exc}") from exc
         found: list[DeltaInfo] = []
         for node in node_dirs:
+            directory = nodes / node
             try:
-                names = os.listdir(nodes / node)
-            except (NotADirectoryError, FileNotFoundError):
+                if os.path.islink(directory):
+                    self._check_link(directory)
+                names = os.listdir(directory)
+            except (NotADirectoryError, FileNotFoundError, PermanentTransportError):
                 continue
             except OSError as exc:
-                raise TransientTransportError(f"list {nodes / node}: {exc}") from exc
+                raise TransientTransportError(f"list {directory}: {exc}") from exc
             for name in names:
-                rel = f"nodes/{node}/{name}"
-                parsed = parse_delta_path(rel)
-                if parsed is None:
-                    continue
-                try:
-                    stat = (nodes / node / name).stat()
-                except FileNotFoundError:
-                    continue
-                found.append(
-                    DeltaInfo(
-                        parsed[0],
-                        parsed[1],
-                        rel,
-                        stat.st_size,
-                        f"{stat.st_size}-{stat.st_mtime_ns}",
-                    )
-                )
+                info = self._delta_info(directory / name, f"nodes/{node}/{name}")
+                if info is not None:
+                    found.append(info)
         return sorted(found, key=lambda info: info.key)
 
+    def _delta_info(self, path: Path, rel: str) -> DeltaInfo | None:
+        parsed = parse_delta_path(rel)
+        if parsed is None:
+            return None
+        try:
+            info = os.lstat(path)
+            if stat.S_ISLNK(info.st_mode):
+                self._check_link(path)
+                info = os.stat(path)
+        except (FileNotFoundError, PermanentTransportError):
+            return None
+        kind = _kind(info.st_mode)
+        if kind is not None:
+            self._refuse(path, f"{kind}, not a regular file")
+            return None
+        etag = f"{info.st_size}-{info.st_mtime_ns}-{info.st_ctime_ns}-{info.st_ino}"
+        return DeltaInfo(parsed[0], parsed[1], rel, info.st_size, etag, info.st_mtime)
+
     def download_delta(self, info: DeltaInfo, dest: Path) -> Path:
-        """Copy the delta file to ``dest`` atomically."""
+        """Copy the delta file to ``dest`` atomically, reading at most the listed size."""
         source = self.root / info.path
         return _classify(
-            f"download {source}", lambda: _copy_verified(source, Path(dest), None, None)
+            f"download {source}",
+            lambda: self._copy_verified(source, Path(dest), info.size, None),
         )
+
+    # ------------------------------------------------------------------ lease, storage
+    def _lease_now(self) -> Lease | None:
+        path = self.root / LEASE_FILE
+        raw = self._read_small(path, LEASE_LIMIT)
+        return None if raw is None else Lease.loads(raw, str(path))
+
+    def read_lease(self) -> Lease | None:
+        """Parse ``global/lease.json``; None when there is none."""
+        return _classify(f"read {self.root / LEASE_FILE}", self._lease_now)
+
+    def write_lease(self, lease: Lease, expected: Lease | None) -> Lease:
+        """Replace ``global/lease.json`` under the lock if it still is ``expected`` (None: no
+        lease, or a malformed one)."""
+
+        def write() -> Lease:
+            with self._exclusive():
+                try:
+                    current = self._lease_now()
+                except PermanentTransportError:  # a malformed lease is no lease
+                    current = None
+                if current != expected:
+                    raise LeaseConflictError(
+                        f"{self.description}: the lease changed (now {current})", current
+                    )
+                atomic_write_bytes(self.root / LEASE_FILE, lease.dumps())
+            return lease
+
+        (self.root / "global").mkdir(parents=True, exist_ok=True)
+        return _classify(f"write {self.root / LEASE_FILE}", write)
+
+    def delete_deltas(self, infos: Sequence[DeltaInfo], *, fence: Lease | None = None) -> int:
+        """Unlink each listed delta whose etag is unchanged (under the lock, fenced)."""
+
+        def delete() -> int:
+            count = 0
+            with self._exclusive():
+                if fence is not None:
+                    check_fence(
+                        self._lease_now(), fence.holder, fence.epoch, f"{self.description}: delete"
+                    )
+                for info in infos:
+                    parsed = parse_delta_path(info.path)
+                    if parsed is None:
+                        continue
+                    current = self._delta_info(self.root / info.path, info.path)
+                    if current is None or current.etag != info.etag:
+                        continue  # replaced since the listing (or gone): not ours to delete
+                    with contextlib.suppress(FileNotFoundError):
+                        (self.root / info.path).unlink()
+                        count += 1
+            return count
+
+        return _classify(f"delete deltas from {self.root}", delete)
+
+    def store_bytes(self) -> int | None:
+        """Bytes of the regular files under ``root`` (symlinks are not followed)."""
+        total = 0
+        for folder, _, files in os.walk(self.root):
+            for name in files:
+                with contextlib.suppress(OSError):
+                    info = os.lstat(os.path.join(folder, name))
+                    if stat.S_ISREG(info.st_mode):
+                        total += info.st_size
+        return total
 
     def __repr__(self) -> str:
         return f"SharedDirectoryTransport({str(self.root)!r})"
+
+
+def _local_chunks(source: Path) -> Iterator[bytes]:
+    """A local file of our own (the master's weights, a node's outbox delta)."""
+    with open(source, "rb") as reader:
+        while chunk := reader.read(_CHUNK):
+            yield chunk

@@ -1,0 +1,541 @@
+"""What protects the global: the checks every delta passes, the rules that combine a round's
+deltas, and the policy that says when a round starts.
+
+Per delta (:func:`inspect_delta`, one delta in memory at a time, tensor by tensor): size limit,
+signature (with a key), the name it was stored under against its metadata, keys, shapes and
+dtypes against the global, finiteness *in the dtype the outer step computes in*, and its L2
+norm (whole and per tensor, in float64).
+
+Per round (:func:`screen_round`): deltas more than ``max_staleness`` outer steps behind are
+rejected; a node's several deltas in one round are averaged into one contribution that counts
+once, at full weight (50 deltas of one node weigh what one delta of another node weighs); a
+contribution whose norm exceeds ``max_norm_ratio`` x the median norm of recently accepted
+contributions (while fewer than :data:`MIN_HISTORY` are known: the lower median of this
+round's own) is rejected or clipped to that threshold; staleness weighting (``inverse``:
+1 / (1 + s), renormalised) applies to the mean.
+
+Combination (:func:`aggregate`): the weighted mean as a running float64 sum, one delta file at a
+time; or coordinate-wise ``median`` / ``trimmed_mean``, one tensor at a time (memory: one tensor
+per contribution). Before the outer step is kept, :func:`candidate_problem` checks the new
+global: finite, and the update no larger than ``max_update_ratio`` x the global's norm.
+
+:class:`RoundPolicy` decides when the master's outer thread starts a round: deltas from at least
+``min_deltas`` distinct nodes pending with the same, newest base outer step, or
+``round_timeout`` seconds since the first pending delta with at least one. It takes a clock, so
+it is tested without sleeping.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from speedtronic_diloco.signing import SignatureError, verify_file
+from speedtronic_diloco.tensors import TensorDict, compute_dtype, floating_only, is_floating
+from speedtronic_diloco.transports.base import DeltaInfo
+
+__all__ = [
+    "HEADER_ALLOWANCE",
+    "MIN_HISTORY",
+    "AggregationRules",
+    "CheckedDelta",
+    "Contribution",
+    "DeltaRejected",
+    "RoundDecision",
+    "RoundPolicy",
+    "aggregate",
+    "candidate_problem",
+    "default_max_bytes",
+    "global_norm",
+    "inspect_delta",
+    "lower_median",
+    "screen_round",
+]
+
+#: Accepted contributions needed before the outlier threshold uses history instead of the
+#: round's own median.
+MIN_HISTORY = 3
+#: Bytes allowed on top of the tensor data by the default size limit (the safetensors header).
+HEADER_ALLOWANCE = 1 << 20
+
+
+@dataclass(frozen=True)
+class AggregationRules:
+    """The master's round settings (the ``distributed`` keys of the same names)."""
+
+    min_deltas: int | None = None
+    round_timeout: float = 120.0
+    max_delta_bytes: int | None = None
+    max_norm_ratio: float = 4.0
+    outlier_policy: str = "reject"
+    aggregation: str = "mean"
+    trimmed_fraction: float = 0.1
+    max_staleness: int = 16
+    staleness_weighting: str = "none"
+    max_update_ratio: float = 10.0
+    keep_history: int = 5
+    signing_key: bytes | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_config(cls, config: Any, signing_key: bytes | None = None) -> AggregationRules:
+        return cls(
+            min_deltas=config.min_deltas,
+            round_timeout=config.round_timeout,
+            max_delta_bytes=config.max_delta_bytes,
+            max_norm_ratio=config.max_norm_ratio,
+            outlier_policy=config.outlier_policy,
+            aggregation=config.aggregation,
+            trimmed_fraction=config.trimmed_fraction,
+            max_staleness=config.max_staleness,
+            staleness_weighting=config.staleness_weighting,
+            max_update_ratio=config.max_update_ratio,
+            keep_history=config.keep_history,
+            signing_key=signing_key,
+        )
+
+
+class DeltaRejected(Exception):
+    """A delta failed a check: ``reason`` is a short code (``too_large``, ``unsigned``,
+    ``bad_signature``, ``unreadable``, ``name_mismatch``, ``keys``, ``shape``, ``dtype``,
+    ``non_finite``, ``stale``, ``norm_outlier``), ``norm`` its L2 norm when known."""
+
+    def __init__(self, reason: str, message: str, norm: float | None = None) -> None:
+        self.reason = reason
+        self.norm = norm
+        super().__init__(message)
+
+
+@dataclass(frozen=True)
+class CheckedDelta:
+    """A delta that passed :func:`inspect_delta`, waiting on local disk for its round."""
+
+    info: DeltaInfo
+    path: Path
+    base_outer_step: int | None
+    norm: float
+    tensor_norms: Mapping[str, float]
+    final: bool = False
+    signature: str | None = None
+
+    @property
+    def node_id(self) -> str:
+        return self.info.node_id
+
+    def staleness(self, outer_step: int) -> int:
+        """Outer steps between the global this delta was computed from and ``outer_step``
+        (0 when its base is unknown or ahead)."""
+        if self.base_outer_step is None:
+            return 0
+        return max(0, outer_step - self.base_outer_step)
+
+
+@dataclass
+class Contribution:
+    """One node's part of a round: the mean of its deltas, counted once."""
+
+    node_id: str
+    deltas: list[CheckedDelta]
+    norm: float
+    staleness: int
+    weight: float = 1.0
+    scale: float = 1.0  # < 1 when clipped
+
+    @property
+    def keys(self) -> tuple[tuple[str, int], ...]:
+        return tuple(delta.info.key for delta in self.deltas)
+
+
+def default_max_bytes(reference: Mapping[str, torch.Tensor]) -> int:
+    """The default ``max_delta_bytes``: 4x the floating tensors of the global, plus a header
+    allowance (a float64 delta of a float32 model is 2x)."""
+    data = sum(t.numel() * t.element_size() for t in floating_only(reference).values())
+    return 4 * data + HEADER_ALLOWANCE
+
+
+def lower_median(values: Sequence[float]) -> float:
+    """The median, taking the lower middle value for an even count: of one honest and one
+    huge norm it picks the honest one."""
+    if not values:
+        raise ValueError("median of nothing")
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float64)
+
+
+def inspect_delta(
+    path: Path,
+    info: DeltaInfo,
+    reference: Mapping[str, torch.Tensor],
+    *,
+    max_bytes: int | None = None,
+    key: bytes | None = None,
+) -> CheckedDelta:
+    """Check the delta file at ``path`` (downloaded for ``info``) against the global
+    ``reference``; DeltaRejected names the first rule it breaks."""
+    limit = max_bytes if max_bytes is not None else default_max_bytes(reference)
+    size = path.stat().st_size
+    if size > limit:
+        raise DeltaRejected("too_large", f"{size} bytes > max_delta_bytes {limit}")
+    signature = None
+    if key is not None:
+        try:
+            verify_file(path, key)
+        except SignatureError as exc:
+            raise DeltaRejected(exc.reason, str(exc)) from None
+    expected = floating_only(reference)
+    norms: dict[str, float] = {}
+    total = 0.0
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            metadata = dict(handle.metadata() or {})
+            names = set(handle.keys())
+            if names != expected.keys():
+                missing = sorted(expected.keys() - names)[:5]
+                extra = sorted(names - expected.keys())[:5]
+                raise DeltaRejected("keys", f"delta keys differ (missing {missing}, extra {extra})")
+            for name in sorted(names):
+                tensor = handle.get_tensor(name)
+                target = expected[name]
+                if tensor.shape != target.shape:
+                    raise DeltaRejected(
+                        "shape", f"{name}: shape {tuple(tensor.shape)} != {tuple(target.shape)}"
+                    )
+                if not is_floating(tensor) or tensor.is_complex() != target.is_complex():
+                    raise DeltaRejected("dtype", f"{name}: dtype {tensor.dtype} for {target.dtype}")
+                # Finite where it is used: the outer step computes in the global's dtype.
+                used = tensor.to(compute_dtype(target.dtype))
+                if not bool(torch.isfinite(used).all()):
+                    raise DeltaRejected(
+                        "non_finite",
+                        f"{name}: non-finite values in {compute_dtype(target.dtype)} "
+                        f"(the delta is {tensor.dtype})",
+                    )
+                norm = float(torch.linalg.vector_norm(tensor.to(_wide(tensor.dtype))))
+                norms[name] = norm
+                total += norm * norm
+                del tensor, used
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise DeltaRejected("unreadable", f"not a readable safetensors file ({exc})") from None
+    if key is not None:
+        signature = metadata.get("signature")
+    node, step = metadata.get("node_id"), metadata.get("local_step")
+    if (node is not None and node != info.node_id) or (
+        step is not None and str(step) != str(info.local_step)
+    ):
+        raise DeltaRejected(
+            "name_mismatch",
+            f"stored as {info.node_id}@{info.local_step} but its metadata says {node}@{step}",
+        )
+    if key is not None and (node is None or step is None):
+        raise DeltaRejected("name_mismatch", "signed delta without node_id/local_step metadata")
+    base = metadata.get("base_outer_step")
+    try:
+        base_step = int(base) if base is not None and int(base) >= 0 else None
+    except ValueError:
+        raise DeltaRejected("unreadable", f"bad base_outer_step {base!r}") from None
+    norm = math.sqrt(total)
+    if not math.isfinite(norm):
+        raise DeltaRejected("non_finite", "its norm overflows float64", norm)
+    return CheckedDelta(
+        info=info,
+        path=path,
+        base_outer_step=base_step,
+        norm=norm,
+        tensor_norms=norms,
+        final=metadata.get("final") == "1",
+        signature=signature,
+    )
+
+
+def _merged_norm(deltas: Sequence[CheckedDelta]) -> float:
+    """L2 norm of the mean of ``deltas``, one tensor at a time."""
+    if len(deltas) == 1:
+        return deltas[0].norm
+    total = 0.0
+    for name in deltas[0].tensor_norms:
+        acc: torch.Tensor | None = None
+        for delta in deltas:
+            with safe_open(str(delta.path), framework="pt", device="cpu") as handle:
+                tensor = handle.get_tensor(name)
+            wide = tensor.to(_wide(tensor.dtype))
+            acc = wide if acc is None else acc + wide
+        assert acc is not None
+        total += float(torch.linalg.vector_norm(acc / len(deltas))) ** 2
+    return math.sqrt(total)
+
+
+def screen_round(
+    deltas: Iterable[CheckedDelta],
+    outer_step: int,
+    history: Sequence[float],
+    rules: AggregationRules,
+) -> tuple[list[Contribution], list[tuple[CheckedDelta, DeltaRejected]], float | None]:
+    """Apply the staleness, per-node and norm rules to one round's deltas.
+
+    Returns ``(contributions, rejected, threshold)``: the contributions with their weight and
+    clip scale set, each rejected delta with why, and the norm threshold used (None with
+    ``outlier_policy: off``)."""
+    rejected: list[tuple[CheckedDelta, DeltaRejected]] = []
+    by_node: dict[str, list[CheckedDelta]] = {}
+    for delta in deltas:
+        staleness = delta.staleness(outer_step)
+        if staleness > rules.max_staleness:
+            rejected.append(
+                (
+                    delta,
+                    DeltaRejected(
+                        "stale",
+                        f"computed from outer step {delta.base_outer_step}, {staleness} behind "
+                        f"(max_staleness {rules.max_staleness})",
+                        delta.norm,
+                    ),
+                )
+            )
+            continue
+        by_node.setdefault(delta.node_id, []).append(delta)
+    contributions = [
+        Contribution(
+            node_id=node,
+            deltas=sorted(group, key=lambda d: d.info.local_step),
+            norm=_merged_norm(group),
+            staleness=max(d.staleness(outer_step) for d in group),
+        )
+        for node, group in sorted(by_node.items())
+    ]
+    threshold: float | None = None
+    if contributions and rules.outlier_policy != "off":
+        if len(history) >= MIN_HISTORY:
+            reference = lower_median(history)
+        else:
+            reference = lower_median([c.norm for c in contributions])
+        threshold = rules.max_norm_ratio * reference
+        kept = []
+        for contribution in contributions:
+            if contribution.norm <= threshold:
+                kept.append(contribution)
+            elif rules.outlier_policy == "clip":
+                contribution.scale = threshold / contribution.norm
+                kept.append(contribution)
+            else:
+                why = (
+                    f"norm {contribution.norm:.4g} > max_norm_ratio {rules.max_norm_ratio:g} x "
+                    f"median {reference:.4g}"
+                )
+                for delta in contribution.deltas:
+                    rejected.append((delta, DeltaRejected("norm_outlier", why, contribution.norm)))
+        contributions = kept
+    for contribution in contributions:
+        if rules.staleness_weighting == "inverse":
+            contribution.weight = 1.0 / (1.0 + contribution.staleness)
+    return contributions, rejected, threshold
+
+
+def aggregate(
+    contributions: Sequence[Contribution],
+    reference: Mapping[str, torch.Tensor],
+    method: str = "mean",
+    trimmed_fraction: float = 0.1,
+) -> TensorDict:
+    """Combine ``contributions`` (scale applied) into one pseudo-gradient over the floating
+    keys of ``reference``, in float64 (complex128 for complex tensors)."""
+    if not contributions:
+        raise ValueError("nothing to aggregate")
+    names = sorted(floating_only(reference))
+    if method == "mean":
+        return _weighted_mean(contributions, reference, names)
+    if method not in ("median", "trimmed_mean"):
+        raise ValueError(f"unknown aggregation {method!r}")
+    out: TensorDict = {}
+    for name in names:
+        stack = torch.stack([_contribution_tensor(c, name) for c in contributions])
+        out[name] = _coordinate_wise(stack, method, trimmed_fraction)
+    return out
+
+
+def _weighted_mean(
+    contributions: Sequence[Contribution], reference: Mapping[str, torch.Tensor], names: list[str]
+) -> TensorDict:
+    total = {
+        name: torch.zeros(reference[name].shape, dtype=_wide(reference[name].dtype))
+        for name in names
+    }
+    weights = 0.0
+    for contribution in contributions:
+        factor = contribution.weight * contribution.scale / len(contribution.deltas)
+        weights += contribution.weight
+        for delta in contribution.deltas:  # one delta file open at a time
+            with safe_open(str(delta.path), framework="pt", device="cpu") as handle:
+                for name in names:
+                    tensor = handle.get_tensor(name)
+                    total[name].add_(tensor.to(total[name].dtype), alpha=factor)
+                    del tensor
+    for value in total.values():
+        value.div_(weights)
+    return total
+
+
+def _contribution_tensor(contribution: Contribution, name: str) -> torch.Tensor:
+    acc: torch.Tensor | None = None
+    for delta in contribution.deltas:
+        with safe_open(str(delta.path), framework="pt", device="cpu") as handle:
+            tensor = handle.get_tensor(name)
+        wide = tensor.to(_wide(tensor.dtype))
+        acc = wide if acc is None else acc + wide
+    assert acc is not None
+    return acc * (contribution.scale / len(contribution.deltas))
+
+
+def _coordinate_wise(stack: torch.Tensor, method: str, trimmed_fraction: float) -> torch.Tensor:
+    count = stack.shape[0]
+    if stack.is_complex():  # no order on complex numbers: real and imaginary parts apart
+        real = _coordinate_wise(stack.real.contiguous(), method, trimmed_fraction)
+        imag = _coordinate_wise(stack.imag.contiguous(), method, trimmed_fraction)
+        return torch.complex(real, imag)
+    ordered = torch.sort(stack, dim=0).values
+    if method == "trimmed_mean":
+        cut = math.floor(count * trimmed_fraction)
+        if count - 2 * cut >= 1:
+            return ordered[cut : count - cut].mean(dim=0)
+    middle = (count - 1) // 2
+    if count % 2:
+        return ordered[middle].clone()
+    return (ordered[middle] + ordered[middle + 1]) / 2
+
+
+def global_norm(state: Mapping[str, torch.Tensor]) -> float:
+    """L2 norm over the floating tensors of ``state``, in float64."""
+    total = 0.0
+    for tensor in floating_only(state).values():
+        total += float(torch.linalg.vector_norm(tensor.to(_wide(tensor.dtype)))) ** 2
+    return math.sqrt(total)
+
+
+def candidate_problem(
+    old: Mapping[str, torch.Tensor],
+    new: Mapping[str, torch.Tensor],
+    momentum: Mapping[str, torch.Tensor],
+    max_update_ratio: float,
+) -> str | None:
+    """Why the candidate global ``new`` must not be kept (None when it may): non-finite
+    weights or momentum, or an update larger than ``max_update_ratio`` x ``||old||``."""
+    for name, tensor in floating_only(new).items():
+        if not bool(torch.isfinite(tensor).all()):
+            return f"the new global has non-finite values in {name}"
+    for name, tensor in momentum.items():
+        if not bool(torch.isfinite(tensor).all()):
+            return f"the outer momentum has non-finite values in {name}"
+    change = 0.0
+    for name, tensor in floating_only(new).items():
+        wide = _wide(tensor.dtype)
+        change += float(torch.linalg.vector_norm(tensor.to(wide) - old[name].to(wide))) ** 2
+    change = math.sqrt(change)
+    size = max(global_norm(old), 1e-12)
+    if not math.isfinite(change) or change > max_update_ratio * size:
+        return (
+            f"the update's norm {change:.4g} exceeds max_update_ratio {max_update_ratio:g} x "
+            f"the global's norm {size:.4g}"
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class RoundDecision:
+    """What :meth:`RoundPolicy.decide` said: ``go`` and why (``quorum``, ``timeout``,
+    ``waiting``, ``idle``), how many distinct nodes were needed and pending, and how long the
+    round has waited."""
+
+    go: bool
+    reason: str
+    need: int
+    have: int
+    waited_s: float
+
+
+class RoundPolicy:
+    """When the master starts an outer step (see the module docstring).
+
+    ``min_deltas`` None means every node seen within ``recent_s`` seconds (default 2 x
+    ``round_timeout``), or 1 when none is known yet. ``clock`` returns seconds (monotonic)."""
+
+    def __init__(
+        self,
+        min_deltas: int | None,
+        round_timeout: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        recent_s: float | None = None,
+    ) -> None:
+        self.min_deltas = min_deltas
+        self.round_timeout = round_timeout
+        self.recent_s = recent_s if recent_s is not None else 2 * round_timeout
+        self.clock = clock
+        self._seen: dict[str, float] = {}
+        self._since: float | None = None
+        self._failing: set[str] = set()  # nodes whose last delta was rejected
+
+    def saw(self, node_id: str) -> None:
+        """A new delta of ``node_id`` was listed now."""
+        self._seen[node_id] = self.clock()
+
+    def rejected(self, node_id: str) -> None:
+        """``node_id``'s delta was rejected: it is not waited for, nor counted toward a
+        quorum, until one of its deltas is accepted again."""
+        self._failing.add(node_id)
+
+    def accepted(self, node_id: str) -> None:
+        self._failing.discard(node_id)
+
+    def failing(self) -> set[str]:
+        return set(self._failing)
+
+    def recent_nodes(self) -> set[str]:
+        """The nodes seen within ``recent_s`` whose last delta was not rejected."""
+        now = self.clock()
+        return {
+            node
+            for node, at in self._seen.items()
+            if now - at <= self.recent_s and node not in self._failing
+        }
+
+    def needed(self) -> int:
+        if self.min_deltas is not None:
+            return self.min_deltas
+        return max(1, len(self.recent_nodes()))
+
+    def waited(self) -> float:
+        return 0.0 if self._since is None else self.clock() - self._since
+
+    def decide(
+        self, pending_nodes: Iterable[str], quorum_nodes: Iterable[str] | None = None
+    ) -> RoundDecision:
+        """Start a round now? ``pending_nodes`` are the nodes with a delta pending;
+        ``quorum_nodes`` (default: all of them) those that count toward ``min_deltas`` (the
+        outer thread passes the nodes whose pending delta has the newest base)."""
+        pending = set(pending_nodes)
+        have = len(pending if quorum_nodes is None else set(quorum_nodes))
+        need = self.needed()
+        if not pending:
+            self._since = None
+            return RoundDecision(False, "idle", need, 0, 0.0)
+        if self._since is None:
+            self._since = self.clock()
+        waited = self.waited()
+        if have >= need:
+            return RoundDecision(True, "quorum", need, have, waited)
+        if waited >= self.round_timeout:
+            return RoundDecision(True, "timeout", need, have, waited)
+        return RoundDecision(False, "waiting", need, have, waited)
+
+    def round_done(self) -> None:
+        """A round consumed the pending deltas: the next wait starts with the next delta."""
+        self._since = None

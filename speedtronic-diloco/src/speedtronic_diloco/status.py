@@ -1,0 +1,396 @@
+"""``speedtronic diloco status``: what a DumbDiLoCo run looks like from its store.
+
+It reads the store and never writes to it: the published metadata (outer step, when and by
+whom it was published, the global's eval loss, the per-node summary of the master's ledger),
+the lease, the delta listing and the store's size. Per node it shows the last delta's local
+step and age, the outer step it was computed from (its staleness), its norm, how many of the
+node's deltas were accepted and rejected and why the last rejection happened; what the store
+does not record is shown as ``-``. A rich table on a terminal, JSON with ``--json``;
+``--watch`` refreshes until Ctrl-C (or ``--count`` refreshes).
+
+    speedtronic diloco status --config configs/diloco.yaml [--json] [--watch]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from speedtronic.errors import ConfigError, TransportError
+
+__all__ = ["RunStatus", "add_status_command", "cmd_status", "collect_status", "render_status"]
+
+DASH = "-"
+
+
+@dataclass
+class RunStatus:
+    """One snapshot of a run, as the store shows it (JSON-compatible through :meth:`to_json`)."""
+
+    store: str
+    checked_at: float
+    outer_step: int | None = None
+    published_at: float | None = None
+    master: str | None = None
+    lease_epoch: int | None = None
+    deltas_included: int | None = None
+    eval_loss: float | None = None
+    lease: dict[str, Any] | None = None
+    store_bytes: int | None = None
+    nodes: list[dict[str, Any]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def age_s(self) -> float | None:
+        """Seconds since the last publication."""
+        if self.published_at is None:
+            return None
+        return max(0.0, self.checked_at - self.published_at)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "store": self.store,
+            "checked_at": self.checked_at,
+            "outer_step": self.outer_step,
+            "published_at": self.published_at,
+            "publication_age_s": self.age_s,
+            "master": self.master,
+            "lease_epoch": self.lease_epoch,
+            "deltas_included": self.deltas_included,
+            "eval_loss": self.eval_loss,
+            "lease": self.lease,
+            "store_bytes": self.store_bytes,
+            "nodes": self.nodes,
+            "problems": self.problems,
+        }
+
+
+def _attempt(status: RunStatus, what: str, fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except TransportError as exc:
+        status.problems.append(f"{what}: {exc}")
+        return None
+
+
+def collect_status(transport: Any, now: float | None = None) -> RunStatus:
+    """Read the run's state from ``transport`` (reads only; a part that cannot be read is
+    named in ``problems`` and left empty)."""
+    from speedtronic_diloco.transports import UnsupportedOperation
+
+    status = RunStatus(transport.description, time.time() if now is None else now)
+    metadata = _attempt(status, "global metadata", transport.read_global_metadata)
+    if metadata is not None:
+        status.outer_step = metadata.outer_step
+        status.published_at = metadata.published_at
+        status.master = metadata.master
+        status.lease_epoch = metadata.lease_epoch
+        status.deltas_included = metadata.deltas_included
+        loss = metadata.eval_loss
+        if loss is None:
+            loss = metadata.extra.get("eval_loss")
+        status.eval_loss = _finite(loss)
+    try:
+        lease = transport.read_lease()
+    except UnsupportedOperation:
+        lease = None
+    except TransportError as exc:
+        status.problems.append(f"lease: {exc}")
+        lease = None
+    if lease is not None:
+        if lease.released:
+            state = "released"
+        else:
+            state = "live" if lease.expires_at > status.checked_at else "expired"
+        status.lease = {
+            "holder": lease.holder,
+            "epoch": lease.epoch,
+            "state": state,
+            "expires_at": lease.expires_at,
+            "expires_in_s": lease.expires_at - status.checked_at,
+            "renewed_at": lease.renewed_at,
+        }
+    listing = _attempt(status, "delta listing", transport.list_deltas) or []
+    status.store_bytes = _attempt(status, "store size", transport.store_bytes)
+    status.nodes = _node_rows(metadata, listing, status.checked_at)
+    return status
+
+
+def _node_rows(metadata: Any, listing: list[Any], now: float) -> list[dict[str, Any]]:
+    summaries: dict[str, dict[str, Any]] = dict(metadata.nodes) if metadata is not None else {}
+    if metadata is not None and not summaries:  # metadata of the older format: triples only
+        for node, step, _ in metadata.processed:
+            entry = summaries.setdefault(node, {"high": -1})
+            entry["high"] = max(entry["high"], step)
+    listed: dict[str, list[Any]] = {}
+    for info in listing:
+        listed.setdefault(info.node_id, []).append(info)
+    rows = []
+    for node in sorted(set(summaries) | set(listed)):
+        summary = summaries.get(node, {})
+        files = sorted(listed.get(node, []), key=lambda info: info.local_step)
+        high = summary.get("high")
+        high = -1 if high is None else int(high)
+        pending = [info for info in files if info.local_step > high]
+        last_file = files[-1] if files else None
+        last_step = summary.get("last_step")
+        age = None
+        if last_file is not None and (last_step is None or last_file.local_step >= last_step):
+            last_step = last_file.local_step
+            if last_file.modified is not None:
+                age = now - last_file.modified
+        if age is None and summary.get("last_at") is not None:
+            age = now - float(summary["last_at"])
+        rows.append(
+            {
+                "node_id": node,
+                "last_delta_step": last_step,
+                "age_s": None if age is None else max(0.0, age),
+                "base_outer_step": summary.get("base_outer_step"),
+                "staleness": _staleness(metadata, summary.get("base_outer_step")),
+                "norm": _finite(summary.get("norm")),
+                "accepted": summary.get("accepted"),
+                "rejected": summary.get("rejected"),
+                "pending": len(pending),
+                "in_store": len(files),
+                "last_rejection": summary.get("last_reason"),
+            }
+        )
+    return rows
+
+
+def _staleness(metadata: Any, base: Any) -> int | None:
+    if metadata is None or base is None:
+        return None
+    try:
+        return max(0, metadata.outer_step - int(base))
+    except (TypeError, ValueError):
+        return None
+
+
+def _finite(value: Any) -> float | None:
+    try:
+        number = None if value is None else float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if number is not None and math.isfinite(number) else None
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return DASH
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172_800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"
+
+
+def _size(count: int | None) -> str:
+    if count is None:
+        return DASH
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{count} B"
+
+
+def _when(moment: float | None) -> str:
+    if moment is None:
+        return DASH
+    return datetime.fromtimestamp(moment, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return DASH
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def summary_lines(status: RunStatus) -> list[str]:
+    """The lines above the node table."""
+    lease = status.lease
+    if lease is None:
+        holder = DASH
+    elif lease["state"] == "live":
+        holder = (
+            f"{lease['holder']} (epoch {lease['epoch']}, expires in {_age(lease['expires_in_s'])})"
+        )
+    else:
+        holder = f"{lease['holder']} (epoch {lease['epoch']}, {lease['state']})"
+    published = DASH
+    if status.published_at is not None:
+        published = f"{_when(status.published_at)} ({_age(status.age_s)} ago)"
+    by = f" by {status.master}" if status.master else ""
+    return [
+        f"store        {status.store}",
+        f"outer step   {_cell(status.outer_step)}{by}",
+        f"published    {published}",
+        f"eval loss    {_cell(status.eval_loss)}",
+        f"lease        {holder}",
+        f"store size   {_size(status.store_bytes)}",
+    ]
+
+
+COLUMNS = (
+    ("node", "node_id"),
+    ("last delta", "last_delta_step"),
+    ("age", "age_s"),
+    ("base outer", "base_outer_step"),
+    ("norm", "norm"),
+    ("accepted", "accepted"),
+    ("rejected", "rejected"),
+    ("pending", "pending"),
+    ("last rejection", "last_rejection"),
+)
+
+
+def render_status(status: RunStatus, console: Any) -> None:
+    """Print ``status`` on a rich ``console``: the summary, then one row per node."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    for line in summary_lines(status):
+        console.print(escape(line), highlight=False)
+    table = Table(title=None, show_lines=False)
+    for title, key in COLUMNS:
+        if key == "last_rejection":
+            table.add_column(title, overflow="ellipsis", no_wrap=True, max_width=36)
+        elif key == "node_id":
+            table.add_column(title, overflow="fold", min_width=6)
+        else:
+            table.add_column(title, no_wrap=True, justify="right")
+    for row in status.nodes:
+        cells = []
+        for _, key in COLUMNS:
+            value = row.get(key)
+            if key == "age_s":
+                cells.append(_age(value))
+            elif key == "base_outer_step" and value is not None:
+                stale = row.get("staleness")
+                cells.append(f"{value} (-{stale})" if stale else str(value))
+            else:
+                cells.append(escape(_cell(value)))
+        table.add_row(*cells)
+    if status.nodes:
+        console.print(table)
+    else:
+        console.print("no node has uploaded a delta yet")
+    for problem in status.problems:
+        console.print(f"[yellow]could not read {escape(problem)}[/yellow]")
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def _transport_from(args: argparse.Namespace) -> Any:
+    from speedtronic.config import SpeedtronicConfig
+    from speedtronic_diloco.config import distributed_config
+    from speedtronic_diloco.transports import open_transport
+
+    config = SpeedtronicConfig.from_file(args.config)
+    if args.set:
+        config = config.with_overrides(list(args.set))
+    section = distributed_config(config)
+    if not section.repo_id:
+        raise ConfigError("is not set: status needs the run's store", "distributed.repo_id")
+    return open_transport(section)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """``speedtronic diloco status``: print the run's state (reads the store only)."""
+    from rich.console import Console
+
+    transport = _transport_from(args)
+    console = Console(width=max(120, Console().width))
+    count = args.count if args.count is not None else (None if args.watch else 1)
+    shown = 0
+    try:
+        while True:
+            status = collect_status(transport)
+            if count == 1 and status.outer_step is None and status.problems and not args.json:
+                # One look at a store that cannot be read at all: one clean error line.
+                raise TransportError("; ".join(status.problems))
+            if args.json:
+                indent = None if args.watch else 2
+                print(json.dumps(status.to_json(), indent=indent), flush=True)
+            else:
+                if args.watch and console.is_terminal:
+                    console.clear()
+                elif shown:
+                    console.print()
+                render_status(status, console)
+            shown += 1
+            if count is not None and shown >= count:
+                return 0
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        transport.close()
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or not 0.1 <= value <= 86_400:
+        raise argparse.ArgumentTypeError(f"must be between 0.1 and 86400 seconds, got {text}")
+    return value
+
+
+def _positive_count(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def add_status_command(commands: Any) -> None:
+    """Add ``status`` to the ``speedtronic diloco`` sub-parsers ``commands``."""
+    status = commands.add_parser(
+        "status",
+        help="show a run's outer step, lease and per-node contributions (reads the store only)",
+        description="Read a DumbDiLoCo run's store (never writing to it) and show its outer "
+        "step, last publication, eval loss, lease holder, store size and, per node, the last "
+        "delta, its staleness and norm and the accepted/rejected counts.",
+    )
+    status.add_argument("--config", "-c", required=True, help="the run's YAML or JSON config")
+    status.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a dotted config key, value parsed as YAML (repeatable)",
+    )
+    status.add_argument("--json", action="store_true", help="print JSON (one document per look)")
+    status.add_argument(
+        "--watch", action="store_true", help="refresh until Ctrl-C (or --count looks)"
+    )
+    status.add_argument(
+        "--interval",
+        type=_positive_seconds,
+        default=5.0,
+        metavar="SECONDS",
+        help="seconds between refreshes with --watch (default 5)",
+    )
+    status.add_argument(
+        "--count", type=_positive_count, default=None, metavar="N", help="stop after N looks"
+    )
+    status.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
+    )
+    status.set_defaults(handler=cmd_status)

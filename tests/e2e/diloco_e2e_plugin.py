@@ -1,0 +1,64 @@
+"""A test-only plugin for the DumbDiLoCo end-to-end tests, loaded into ``speedtronic train``
+processes with ``--plugin diloco_e2e_plugin`` (``tests/e2e`` on ``PYTHONPATH``).
+
+Environment variables (all optional):
+
+* ``DILOCO_E2E_STEP_SLEEP``: seconds every optimizer step sleeps (a slower, more realistic node);
+* ``DILOCO_E2E_UPLOAD_DELAY`` with ``DILOCO_E2E_UPLOAD_STEP``: the shared-directory upload of
+  that local step waits that long before it lands (an upload still in flight when the
+  checkpoint of that step is written);
+* ``DILOCO_E2E_FAIL_UPLOAD_STEP``: that step's upload fails (after the delay), permanently;
+* ``DILOCO_E2E_BARRIER``: a directory; at train start the node writes ``<node_id>.ready``
+  there and waits (at most ``DILOCO_E2E_BARRIER_S``, default 120 s) for a ``go`` file, so the
+  test starts every node's training together however long each process took to start.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from speedtronic import hookimpl
+
+STEP_SLEEP = float(os.environ.get("DILOCO_E2E_STEP_SLEEP", "0") or 0)
+UPLOAD_STEP = int(os.environ.get("DILOCO_E2E_UPLOAD_STEP", "-1") or -1)
+UPLOAD_DELAY = float(os.environ.get("DILOCO_E2E_UPLOAD_DELAY", "0") or 0)
+FAIL_STEP = int(os.environ.get("DILOCO_E2E_FAIL_UPLOAD_STEP", "-1") or -1)
+BARRIER = os.environ.get("DILOCO_E2E_BARRIER")
+BARRIER_S = float(os.environ.get("DILOCO_E2E_BARRIER_S", "120") or 120)
+
+if UPLOAD_STEP >= 0 or FAIL_STEP >= 0:
+    from speedtronic_diloco.transports.base import PermanentTransportError
+    from speedtronic_diloco.transports.shared_dir import SharedDirectoryTransport
+
+    _real_upload = SharedDirectoryTransport.upload_delta
+
+    def _upload_delta(self: Any, node_id: str, local_step: int, source: Any) -> None:
+        if local_step in (UPLOAD_STEP, FAIL_STEP):
+            time.sleep(UPLOAD_DELAY)
+        if local_step == FAIL_STEP:
+            raise PermanentTransportError("injected upload failure (diloco_e2e_plugin)")
+        _real_upload(self, node_id, local_step, source)
+
+    SharedDirectoryTransport.upload_delta = _upload_delta  # type: ignore[method-assign]
+
+
+@hookimpl(trylast=True)
+def on_train_start(trainer: Any) -> None:
+    if not BARRIER:
+        return
+    from pathlib import Path
+
+    barrier = Path(BARRIER)
+    node = trainer.config.plugins["distributed"].node_id
+    (barrier / f"{node}.ready").write_text("ready")
+    deadline = time.monotonic() + BARRIER_S
+    while not (barrier / "go").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+@hookimpl(tryfirst=True)
+def after_optimizer_step(trainer: Any, step: int) -> None:
+    if STEP_SLEEP:
+        time.sleep(STEP_SLEEP)
