@@ -192,8 +192,10 @@ def _agree_across_ranks(trainer: Any, model: Any, step: int, final: bool, replac
     none on the steps between."""
     section = _section(trainer.config)
     assert section is not None
-    interval = max(1, section.inner_steps // max(1, getattr(section, "fragments", 1)))
-    if step % interval and not final:
+    from speedtronic_diloco.fragments import FragmentSchedule
+
+    # The same schedule the coordinator follows: fragment j syncs at offsets j * H // K.
+    if not final and not FragmentSchedule(section.inner_steps, section.fragments).due(step):
         return False
     replaced = bool(trainer.parallel.broadcast(replaced))
     if replaced:
