@@ -78,11 +78,17 @@ class Setting:
     fragments: int
     global_codec: str = "none"
     seeds: tuple[int, ...] = (0,)
+    reset: bool = True  # reset_inner_optimizer (False: the inner AdamW state is kept)
 
     @property
     def label(self) -> str:
         extra = ", bf16 global" if self.global_codec == "bf16" else ""
-        return f"{self.codec}{extra}"
+        kept = ", inner state kept" if not self.reset else ""
+        return f"{self.codec}{extra}{kept}"
+
+    @property
+    def key(self) -> str:
+        return f"{self.data}/{self.inner_steps}/{self.label}/{self.fragments}"
 
 
 class CountingTransport(Transport):
@@ -266,7 +272,7 @@ def train_diloco(setting: Setting, seed: int, steps: int, root: Path, text: Path
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            if coordinator.after_optimizer_step(model, step):
+            if coordinator.after_optimizer_step(model, step) and setting.reset:
                 optimizer.state.clear()  # reset_inner_optimizer, as the trainer does
         if schedule.due(step):
             master.outer.run_round()
@@ -473,7 +479,12 @@ def settings(quick: bool, seeds: int) -> list[Setting]:
         Setting(data, h, "int4", 1, "bf16", seeds=many)
         for data, h in [("synthetic", 100), ("synthetic", 250), ("text", 100), ("text", 250)]
     ]
-    return grid + text + extra
+    # reset_inner_optimizer: false. With fragments the trainer resets the inner optimizer at
+    # every fragment sync (K times per H steps): these rows show what that costs.
+    kept = [
+        Setting("synthetic", h, "int8", k, reset=False) for h in (25, 100, 250) for k in (1, 4)
+    ] + [Setting("text", 100, "int8", k, seeds=many, reset=False) for k in (1, 4)]
+    return grid + text + extra + kept
 
 
 def summarise(values: Iterable[float]) -> str:
@@ -489,6 +500,12 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1, help="processes (one CPU thread each)")
     parser.add_argument("--seeds", type=int, default=2, help="seeds of the headline rows")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per node")
+    parser.add_argument(
+        "--select",
+        default="",
+        help="only the rows whose data/H/codec/K key contains one of these comma-separated "
+        "strings (e.g. 'inner state kept', 'text/100')",
+    )
     parser.add_argument(
         "--async-rows",
         action="store_true",
@@ -506,6 +523,9 @@ def main() -> None:
         return
     steps = args.steps or (200 if args.quick else 1000)
     rows = settings(args.quick, args.seeds)
+    if args.select:
+        wanted = [part.strip() for part in args.select.split(",") if part.strip()]
+        rows = [row for row in rows if any(part in row.key for part in wanted)]
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         text = str(text_file(Path(tmp)))

@@ -281,16 +281,15 @@ def test_clip_scales_exactly_to_the_threshold(tmp_path: Path) -> None:
     assert not rejected and len(contributions) == 4
     assert threshold == pytest.approx(4.0 * lower_median([c.norm for c in [*small, big]]))
     (clipped,) = [c for c in contributions if c.node_id == "big"]
-    assert clipped.norm * clipped.scale == pytest.approx(threshold, rel=1e-12)
+    (factor,) = clipped.factors()
+    assert big.norm * factor == pytest.approx(threshold, rel=1e-12)
     mean = aggregate(contributions, weights())
     big_tensors, _ = load_tensors(big.path)
     for name, value in mean.items():
         parts = [load_tensors(d.path)[0][name].double() for d in small]
-        expected = (sum(parts) + big_tensors[name].double() * clipped.scale) / 4
+        expected = (sum(parts) + big_tensors[name].double() * factor) / 4
         torch.testing.assert_close(value, expected)
-    scaled = math.sqrt(
-        sum(float((big_tensors[k].double() * clipped.scale).pow(2).sum()) for k in mean)
-    )
+    scaled = math.sqrt(sum(float((big_tensors[k].double() * factor).pow(2).sum()) for k in mean))
     assert scaled == pytest.approx(threshold, rel=1e-9)
 
 
@@ -327,16 +326,28 @@ def test_inverse_staleness_weights_are_renormalised(tmp_path: Path) -> None:
 
 def test_one_node_one_vote_per_round(tmp_path: Path) -> None:
     store = MemoryTransport()
-    loop = make_loop(store, tmp_path, outlier_policy="off")
-    for step in range(1, 51):
-        put(store, tmp_path, "spam", step, delta_like(1.0))
+    loop = make_loop(store, tmp_path)
+    unit = delta_like(1.0)
+    norm = math.sqrt(sum(float(v.pow(2).sum()) for v in unit.values()))
+    for step in range(1, 51):  # 50 deltas of one node, each unremarkable
+        put(store, tmp_path, "spam", step, unit)
     put(store, tmp_path, "honest", 1, delta_like(-1.0))
     start = loop.global_state
     result = loop.run_round()
     assert result.deltas_included == 51 and result.nodes == ("honest", "spam")
-    for name, value in floating().items():  # mean of the per-node means: zero
-        torch.testing.assert_close(loop.global_state[name], start[name])
-        assert value is not None
+    # Summed (as one cumulative upload would be) but capped at the outlier threshold: the 50
+    # deltas weigh what one delta of 4 x the median weighs, not 50 of them (nor 50:1 votes).
+    threshold = 4.0 * norm
+    expected_mean = (threshold / (50 * norm) * 50 - 1.0) / 2  # per coordinate, in units of 1.0
+    for name in floating():
+        update = start[name] - loop.global_state[name]  # lr 0.7, no momentum
+        torch.testing.assert_close(update, torch.full_like(update, 0.7 * expected_mean))
+    # Without the cap (outlier_policy: off) the sum would count in full.
+    uncapped = make_loop(MemoryTransport(), tmp_path / "off", outlier_policy="off")
+    contributions, _, _ = screen_round(
+        [checked(tmp_path, "spam", s, unit) for s in range(1, 4)], 0, [], uncapped.rules
+    )
+    assert contributions[0].norm == pytest.approx(3 * norm) and contributions[0].scale == 1.0
 
 
 def test_mean_streams_one_delta_file_at_a_time(

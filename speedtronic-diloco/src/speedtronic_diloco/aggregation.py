@@ -7,12 +7,13 @@ dtypes against the global, finiteness *in the dtype the outer step computes in*,
 norm (whole and per tensor, in float64).
 
 Per round (:func:`screen_round`): deltas more than ``max_staleness`` outer steps behind are
-rejected; a node's several deltas in one round are averaged into one contribution that counts
-once, at full weight (50 deltas of one node weigh what one delta of another node weighs); a
-contribution whose norm exceeds ``max_norm_ratio`` x the median norm of recently accepted
-contributions (while fewer than :data:`MIN_HISTORY` are known: the lower median of this
-round's own) is rejected or clipped to that threshold; staleness weighting (``inverse``:
-1 / (1 + s), renormalised) applies to the mean.
+rejected; a delta whose norm exceeds ``max_norm_ratio`` x the median of recent typical delta
+norms (one per node per round; while fewer than :data:`MIN_HISTORY` are known: the lower
+median of this round's nodes) is rejected or clipped to that threshold; a node's several
+deltas in one round are summed into one contribution (as if it had uploaded once) whose norm
+is capped at the threshold, and that counts once, at full weight (50 deltas of one node buy it
+no more than one delta at the limit); staleness weighting (``inverse``: 1 / (1 + s),
+renormalised) applies to the mean.
 
 Combination (:func:`aggregate`): the weighted mean as a running float64 sum, one delta file at a
 time; or coordinate-wise ``median`` / ``trimmed_mean``, one tensor at a time (memory: one tensor
@@ -138,18 +139,29 @@ class CheckedDelta:
 
 @dataclass
 class Contribution:
-    """One node's part of a round: the mean of its deltas, counted once."""
+    """One node's part of a round: the sum of its deltas (``delta_scales`` < 1 where a delta
+    was clipped), counted once; ``scale`` < 1 when the sum was capped at the threshold."""
 
     node_id: str
     deltas: list[CheckedDelta]
-    norm: float
+    norm: float  # of the sum, before ``scale``
     staleness: int
+    delta_scales: list[float] = field(default_factory=list)
     weight: float = 1.0
-    scale: float = 1.0  # < 1 when clipped
+    scale: float = 1.0
+    typical: float = 0.0  # the lower median of its deltas' norms (what the history records)
+
+    def __post_init__(self) -> None:
+        if not self.delta_scales:
+            self.delta_scales = [1.0] * len(self.deltas)
 
     @property
     def keys(self) -> tuple[tuple[str, int], ...]:
         return tuple(delta.info.key for delta in self.deltas)
+
+    def factors(self) -> list[float]:
+        """The multiplier of each delta in this contribution."""
+        return [self.scale * s for s in self.delta_scales]
 
 
 def default_max_bytes(reference: Mapping[str, torch.Tensor]) -> int:
@@ -257,20 +269,20 @@ def inspect_delta(
     )
 
 
-def _merged_norm(deltas: Sequence[CheckedDelta]) -> float:
-    """L2 norm of the mean of ``deltas``, one tensor at a time."""
+def _sum_norm(deltas: Sequence[CheckedDelta], scales: Sequence[float]) -> float:
+    """L2 norm of ``sum(scale * delta)``, one tensor at a time."""
     if len(deltas) == 1:
-        return deltas[0].norm
+        return deltas[0].norm * scales[0]
     total = 0.0
     for name in deltas[0].tensor_norms:
         acc: torch.Tensor | None = None
-        for delta in deltas:
+        for delta, scale in zip(deltas, scales):
             with safe_open(str(delta.path), framework="pt", device="cpu") as handle:
                 tensor = handle.get_tensor(name)
-            wide = tensor.to(_wide(tensor.dtype))
+            wide = tensor.to(_wide(tensor.dtype)) * scale
             acc = wide if acc is None else acc + wide
         assert acc is not None
-        total += float(torch.linalg.vector_norm(acc / len(deltas))) ** 2
+        total += float(torch.linalg.vector_norm(acc)) ** 2
     return math.sqrt(total)
 
 
@@ -280,11 +292,17 @@ def screen_round(
     history: Sequence[float],
     rules: AggregationRules,
 ) -> tuple[list[Contribution], list[tuple[CheckedDelta, DeltaRejected]], float | None]:
-    """Apply the staleness, per-node and norm rules to one round's deltas.
+    """Apply the staleness, norm and one-vote-per-node rules to one round's deltas.
 
-    Returns ``(contributions, rejected, threshold)``: the contributions with their weight and
-    clip scale set, each rejected delta with why, and the norm threshold used (None with
-    ``outlier_policy: off``)."""
+    The threshold is ``max_norm_ratio`` x the median of ``history`` (one typical delta norm
+    per node per round) or, with fewer than :data:`MIN_HISTORY` entries, of this round's
+    nodes' typical norms (lower median). A delta above it is rejected (``clip``: scaled to it).
+    A node's remaining deltas are summed into one contribution, as if it had uploaded once
+    (a node whose uploads were skipped sends that sum itself), whose norm is then capped at the
+    threshold: many deltas buy one node no more than one delta at the limit. With
+    ``outlier_policy: off`` nothing is rejected, clipped or capped.
+
+    Returns ``(contributions, rejected, threshold)``."""
     rejected: list[tuple[CheckedDelta, DeltaRejected]] = []
     by_node: dict[str, list[CheckedDelta]] = {}
     for delta in deltas:
@@ -303,40 +321,49 @@ def screen_round(
             )
             continue
         by_node.setdefault(delta.node_id, []).append(delta)
-    contributions = [
-        Contribution(
-            node_id=node,
-            deltas=sorted(group, key=lambda d: d.info.local_step),
-            norm=_merged_norm(group),
-            staleness=max(d.staleness(outer_step) for d in group),
-        )
+    groups = {
+        node: sorted(group, key=lambda d: d.info.local_step)
         for node, group in sorted(by_node.items())
-    ]
+    }
     threshold: float | None = None
-    if contributions and rules.outlier_policy != "off":
+    if groups and rules.outlier_policy != "off":
         if len(history) >= MIN_HISTORY:
             reference = lower_median(history)
         else:
-            reference = lower_median([c.norm for c in contributions])
+            reference = lower_median([lower_median([d.norm for d in g]) for g in groups.values()])
         threshold = rules.max_norm_ratio * reference
-        kept = []
-        for contribution in contributions:
-            if contribution.norm <= threshold:
-                kept.append(contribution)
+    contributions = []
+    for node, group in groups.items():
+        kept: list[CheckedDelta] = []
+        scales: list[float] = []
+        for delta in group:
+            if threshold is None or delta.norm <= threshold:
+                kept.append(delta)
+                scales.append(1.0)
             elif rules.outlier_policy == "clip":
-                contribution.scale = threshold / contribution.norm
-                kept.append(contribution)
+                kept.append(delta)
+                scales.append(threshold / delta.norm)
             else:
                 why = (
-                    f"norm {contribution.norm:.4g} > max_norm_ratio {rules.max_norm_ratio:g} x "
-                    f"median {reference:.4g}"
+                    f"norm {delta.norm:.4g} > max_norm_ratio {rules.max_norm_ratio:g} x "
+                    f"median {threshold / rules.max_norm_ratio:.4g}"
                 )
-                for delta in contribution.deltas:
-                    rejected.append((delta, DeltaRejected("norm_outlier", why, contribution.norm)))
-        contributions = kept
-    for contribution in contributions:
+                rejected.append((delta, DeltaRejected("norm_outlier", why, delta.norm)))
+        if not kept:
+            continue
+        contribution = Contribution(
+            node_id=node,
+            deltas=kept,
+            norm=_sum_norm(kept, scales),
+            staleness=max(d.staleness(outer_step) for d in kept),
+            delta_scales=scales,
+            typical=lower_median([d.norm * s for d, s in zip(kept, scales)]),
+        )
+        if threshold is not None and contribution.norm > threshold:
+            contribution.scale = threshold / contribution.norm
         if rules.staleness_weighting == "inverse":
             contribution.weight = 1.0 / (1.0 + contribution.staleness)
+        contributions.append(contribution)
     return contributions, rejected, threshold
 
 
@@ -371,13 +398,14 @@ def _weighted_mean(
     }
     weights = 0.0
     for contribution in contributions:
-        factor = contribution.weight * contribution.scale / len(contribution.deltas)
         weights += contribution.weight
-        for delta in contribution.deltas:  # one delta file open at a time
+        for delta, factor in zip(contribution.deltas, contribution.factors()):
             with safe_open(str(delta.path), framework="pt", device="cpu") as handle:
-                for name in names:
+                for name in names:  # one delta file open at a time
                     tensor = handle.get_tensor(name)
-                    total[name].add_(tensor.to(total[name].dtype), alpha=factor)
+                    total[name].add_(
+                        tensor.to(total[name].dtype), alpha=contribution.weight * factor
+                    )
                     del tensor
     for value in total.values():
         value.div_(weights)
@@ -386,13 +414,13 @@ def _weighted_mean(
 
 def _contribution_tensor(contribution: Contribution, name: str) -> torch.Tensor:
     acc: torch.Tensor | None = None
-    for delta in contribution.deltas:
+    for delta, factor in zip(contribution.deltas, contribution.factors()):
         with safe_open(str(delta.path), framework="pt", device="cpu") as handle:
             tensor = handle.get_tensor(name)
-        wide = tensor.to(_wide(tensor.dtype))
+        wide = tensor.to(_wide(tensor.dtype)) * factor
         acc = wide if acc is None else acc + wide
     assert acc is not None
-    return acc * (contribution.scale / len(contribution.deltas))
+    return acc
 
 
 def _coordinate_wise(stack: torch.Tensor, method: str, trimmed_fraction: float) -> torch.Tensor:

@@ -655,8 +655,7 @@ class MasterOuterLoop:
             if problem is not None:
                 self.halted = f"outer step {step + 1} refused: {problem}"
             for contribution in contributions:
-                norm = contribution.norm * contribution.scale
-                self.norm_history.append(norm)
+                self.norm_history.append(contribution.typical)
                 self._streaks[contribution.node_id] = 0
                 for delta in contribution.deltas:
                     if delta.signature:
@@ -769,7 +768,7 @@ class MasterOuterLoop:
             f"{n}@{s} base {b if b is not None else '?'}"
             for (n, s), b in zip(result.included, result.base_outer_steps)
         ]
-        clipped = [c.node_id for c in contributions if c.scale < 1.0]
+        clipped = [c.node_id for c in contributions if c.scale < 1.0 or min(c.delta_scales) < 1.0]
         log.info(
             "outer step %d: %d node%s (%s), waited %.1f s (%s)%s%s",
             result.outer_step,
@@ -1013,8 +1012,10 @@ class MasterOuterLoop:
         for j, group in self._round_groups.items():
             self.fragment_steps[j] += 1
             self.fragment_versions[j] = self.outer_step
-            for contribution in group:
-                self._fragment_norms[j].append(contribution.norm * contribution.scale)
+            for contribution in group:  # what the outlier rule's history records
+                typical = getattr(contribution, "typical", 0.0)
+                norm = typical or contribution.norm * contribution.scale
+                self._fragment_norms[j].append(norm)
         self._fragment_info[self.outer_step] = self._fragment_extra()["fragments"]
         for old in sorted(self._fragment_info)[:-16]:
             del self._fragment_info[old]

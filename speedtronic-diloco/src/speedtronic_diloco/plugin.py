@@ -4,11 +4,14 @@
 - ``data_seed``: a per-node seed for the synthetic token stream (derived from the node id);
 - ``on_load_checkpoint`` (runs before train start): the coordinator state is kept aside and
   handed to the coordinator as its prepared startup state;
-- ``on_train_start`` / ``on_train_end``: coordinator start and bounded stop;
-- ``after_optimizer_step``: boundaries, uploads, polls; True when weights were replaced;
+- ``on_train_start`` / ``on_train_end``: coordinator start (the master gets an evaluator of its
+  globals when the run has eval) and, after a run that ended normally, ``finish`` (the last
+  delta lands, the master's final round), then a bounded stop;
+- ``after_optimizer_step``: boundaries, uploads, polls (the run's last step uploads its partial
+  inner loop); True when weights were replaced;
 - ``on_checkpoint``: coordinator state under the ``diloco`` key;
-- ``register_commands``: the ``speedtronic diloco`` command group (``status``); other modules
-  add their subcommands to the same group through :func:`diloco_subcommands`.
+- ``register_commands``: the ``speedtronic diloco`` command group (``status``, ``rollback``);
+  other modules add their subcommands to the same group through :func:`diloco_subcommands`.
 
 Everything the plugin knows about a run lives in that run: ``trainer.plugin_state["diloco"]``
 holds a :class:`DiLoCoRun` (its coordinator, and checkpointed state that arrived before train
