@@ -196,3 +196,22 @@ def test_debug_shows_the_traceback(tmp_path: Path, position: str) -> None:
     assert result.returncode != 0
     assert "Traceback (most recent call last)" in result.stderr
     assert "ConfigError: config file not found" in result.stderr
+
+
+def test_a_config_flag_stands_for_its_override(tmp_path: Path) -> None:
+    import argparse
+
+    from speedtronic.cli import add_config_flag, add_set_option, load_config
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config")
+    add_set_option(parser)
+    add_config_flag(parser, "--long", "run.max_steps=7", help="seven steps")
+    config = tmp_path / "config.yaml"
+    config.write_text("run: {max_steps: 2}\n")
+    args = parser.parse_args(["--config", str(config), "--set", "run.max_steps=3", "--long"])
+    assert args.set == ["run.max_steps=3", "run.max_steps=7"]
+    assert load_config(args).run.max_steps == 7
+    assert load_config(parser.parse_args(["--config", str(config)])).run.max_steps == 2
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        add_config_flag(parser, "--bad", "run.max_steps", help="no value")

@@ -153,3 +153,22 @@ def test_hub_lease_survives_deltas_moving_the_branch(hub: HubEmulator, tmp_path:
         transport(hub).upload_delta("w", step, delta_file(tmp_path, f"d{step}", b"%d" % step))
         assert mine.renew()
     assert store.read_lease().holder == "m1"
+
+
+def test_train_take_over_flag_sets_the_config_key(tmp_path: Path) -> None:
+    """``speedtronic train --take-over`` (added by the plugin) is ``distributed.take_over``,
+    applied in command-line order with the ``--set`` options."""
+    from speedtronic.cli import build_parser, load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("distributed: {enabled: true, role: master, repo_id: 'file://s'}\n")
+    parser = build_parser()
+    for argv, expected in [
+        ([], False),
+        (["--take-over"], True),
+        (["--set", "distributed.take_over=false", "--take-over"], True),
+        (["--take-over", "--set", "distributed.take_over=false"], False),
+    ]:
+        args = parser.parse_args(["train", "-c", str(path), *argv])
+        assert load_config(args).plugins["distributed"].take_over is expected, argv
+    assert "--take-over" in parser._subparsers._group_actions[0].choices["train"].format_help()

@@ -216,7 +216,7 @@ def test_sigkilled_master_is_taken_over_without_double_aggregation(
         killed = store.metadata()
         assert killed is not None and killed.master == "m1"
         high = {node: int(s.get("high", -1)) for node, s in killed.nodes.items()}
-        second = Master(tmp_path, config, "m2", "--set", "distributed.take_over=true")
+        second = Master(tmp_path, config, "m2", "--take-over")  # the plugin's train flag
         rounds = wait_until(lambda: second.events("outer_step"), "the new master's round", second)
         lease = store.lease()
         assert (lease.holder, lease.epoch) == ("m2", 2)

@@ -178,6 +178,9 @@ def test_status_of_an_unreachable_store_is_one_error_line(tmp_path: Path) -> Non
     done = status(config_for(tmp_path, str(tmp_path / "bad")))
     assert done.returncode == 2 and done.stderr.startswith("error:"), done.stderr
     assert "Traceback" not in done.stderr
+    # The CLI's global --debug works on this nested command too, after its name.
+    debug = status(config_for(tmp_path, str(tmp_path / "bad")), "--debug")
+    assert debug.returncode != 0 and "Traceback (most recent call last)" in debug.stderr
 
 
 def test_the_diloco_command_group_is_shared() -> None:

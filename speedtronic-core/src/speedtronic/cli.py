@@ -23,6 +23,7 @@ from speedtronic.errors import PluginError, SpeedtronicError
 __all__ = [
     "EXIT_USER_ERROR",
     "GLOBAL_FLAGS",
+    "add_config_flag",
     "add_set_option",
     "build_parser",
     "cmd_plugins",
@@ -219,16 +220,36 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_model_commands(sub)  # `speedtronic export`, `speedtronic generate`
     _add_plugin_commands(sub)
-    # `--debug` and `--plugin` are also accepted after the command name, plugin commands
-    # included (main() reads --plugin before the parser exists, so plugin modules can add
-    # commands).
-    for command in sub.choices.values():
+    # `--debug` and `--plugin` are also accepted after the command name, plugin commands and
+    # nested ones (`speedtronic diloco status --debug`) included: main() reads --plugin before
+    # the parser exists, so plugin modules can add commands.
+    for command in _all_commands(sub):
         for flag, options in GLOBAL_FLAGS.items():
             try:
                 command.add_argument(flag, default=argparse.SUPPRESS, **options)
             except argparse.ArgumentError:
                 pass  # the plugin defined its own flag of that name
     return parser
+
+
+def _all_commands(sub: argparse._SubParsersAction) -> Iterator[argparse.ArgumentParser]:
+    """Every parser below ``sub``: its commands and, recursively, their own sub-commands."""
+    for command in dict.fromkeys(sub.choices.values()):  # aliases share one parser
+        yield command
+        for action in command._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                yield from _all_commands(action)
+
+
+def add_config_flag(parser: argparse.ArgumentParser, flag: str, override: str, help: str) -> None:
+    """A switch ``flag`` on ``parser`` that stands for ``--set override``: a plugin gives
+    ``speedtronic train`` a flag for one of its config keys, e.g. ``add_config_flag(
+    subparsers.choices["train"], "--take-over", "distributed.take_over=true", ...)`` in its
+    ``register_commands`` hook. :func:`load_config` applies it in command-line order with the
+    ``--set`` options (the last one of a key wins)."""
+    if "=" not in override:
+        raise ValueError(f"override {override!r} is not KEY=VALUE")
+    parser.add_argument(flag, dest="set", action="append_const", const=override, help=help)
 
 
 GLOBAL_FLAGS: dict[str, dict[str, Any]] = {

@@ -131,7 +131,7 @@ class LeaseKeeper:
                 if not self.take_over:
                     raise LeaseHeldError(
                         f"{exc}; refusing to start a master without knowing who holds the "
-                        "lease (delete the file, or start with distributed.take_over: true)"
+                        "lease (delete the file, or start with --take-over)"
                     ) from None
                 log.warning("%s; taking the lease over", exc)
                 current = None
@@ -177,10 +177,11 @@ class LeaseKeeper:
         held = describe_lease(current, now)
         if not self.take_over:
             hint = (
-                "it may have died; to take over, start this master with distributed.take_over: true"
+                "it may have died; to take over, start this master with --take-over "
+                "(distributed.take_over: true)"
                 if not current.live(now)
                 else "run one master per store; to replace it once its lease expires, start "
-                "this one with distributed.take_over: true"
+                "this one with --take-over (distributed.take_over: true)"
             )
             raise LeaseHeldError(
                 f"{self.transport.description}: master {held} holds the lease of this store; "

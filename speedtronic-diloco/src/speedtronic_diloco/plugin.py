@@ -265,7 +265,19 @@ def _group_help(group: argparse.ArgumentParser) -> int:
 
 @hookimpl
 def register_commands(subparsers: Any) -> None:
-    """``speedtronic diloco status`` (and the group other DiLoCo commands join)."""
+    """``speedtronic diloco status`` / ``rollback`` (and the group other DiLoCo commands
+    join), and ``speedtronic train --take-over`` (``distributed.take_over=true``)."""
+    from speedtronic.cli import add_config_flag
+
+    train = subparsers.choices.get("train")
+    if train is not None:
+        add_config_flag(
+            train,
+            "--take-over",
+            "distributed.take_over=true",
+            help="DiLoCo master: take over the lease of a master that stopped renewing it, once "
+            "it has expired (same as --set distributed.take_over=true)",
+        )
     from speedtronic_diloco.status import add_status_command
 
     add_status_command(diloco_subcommands(subparsers))

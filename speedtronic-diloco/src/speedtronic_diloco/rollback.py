@@ -12,10 +12,10 @@ The master must be stopped: a running master would overwrite its state file.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
+from speedtronic.cli import add_set_option, load_config
 from speedtronic.errors import ConfigError, SpeedtronicError
 
 __all__ = ["add_rollback_command", "cmd_rollback", "master_state_dir"]
@@ -36,12 +36,7 @@ def add_rollback_command(commands: Any) -> argparse.ArgumentParser:
     )
     where.add_argument("--config", "-c", help="the master's config file (YAML or JSON)")
     parser.add_argument("--output-dir", help="override run.output_dir (with --config)")
-    parser.add_argument(
-        "--set",
-        action="append",
-        metavar="KEY=VALUE",
-        help="override a dotted config key (with --config; repeatable)",
-    )
+    add_set_option(parser)
     action = parser.add_mutually_exclusive_group(required=True)
     action.add_argument(
         "--to", type=int, metavar="OUTER_STEP", help="the kept outer step to continue from"
@@ -55,16 +50,10 @@ def master_state_dir(args: argparse.Namespace) -> Path:
     """The state directory ``--state-dir`` names, or the one the master's config implies."""
     if args.state_dir:
         return Path(args.state_dir)
-    from speedtronic.config import SpeedtronicConfig
     from speedtronic_diloco.config import resolve_state_dir
     from speedtronic_diloco.identity import resolve_node_id
 
-    config = SpeedtronicConfig.from_file(args.config)
-    overrides = list(args.set or [])
-    if args.output_dir:
-        overrides.append(f"run.output_dir={json.dumps(args.output_dir)}")
-    if overrides:
-        config = config.with_overrides(overrides)
+    config = load_config(args)  # --config with its --set and --output-dir
     section = config.plugins.get("distributed")
     if section is None or not section.enabled:
         raise ConfigError("the config has no enabled distributed section", "distributed")

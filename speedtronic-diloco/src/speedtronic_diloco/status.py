@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from speedtronic.cli import add_set_option, load_config
 from speedtronic.errors import ConfigError, TransportError
 
 __all__ = ["RunStatus", "add_status_command", "cmd_status", "collect_status", "render_status"]
@@ -300,14 +301,10 @@ def render_status(status: RunStatus, console: Any) -> None:
 
 
 def _transport_from(args: argparse.Namespace) -> Any:
-    from speedtronic.config import SpeedtronicConfig
     from speedtronic_diloco.config import distributed_config
     from speedtronic_diloco.transports import open_transport
 
-    config = SpeedtronicConfig.from_file(args.config)
-    if args.set:
-        config = config.with_overrides(list(args.set))
-    section = distributed_config(config)
+    section = distributed_config(load_config(args))
     if not section.repo_id:
         raise ConfigError("is not set: status needs the run's store", "distributed.repo_id")
     return open_transport(section)
@@ -370,12 +367,7 @@ def add_status_command(commands: Any) -> None:
         "delta, its staleness and norm and the accepted/rejected counts.",
     )
     status.add_argument("--config", "-c", required=True, help="the run's YAML or JSON config")
-    status.add_argument(
-        "--set",
-        action="append",
-        metavar="KEY=VALUE",
-        help="override a dotted config key, value parsed as YAML (repeatable)",
-    )
+    add_set_option(status)
     status.add_argument("--json", action="store_true", help="print JSON (one document per look)")
     status.add_argument(
         "--watch", action="store_true", help="refresh until Ctrl-C (or --count looks)"
@@ -389,8 +381,5 @@ def add_status_command(commands: Any) -> None:
     )
     status.add_argument(
         "--count", type=_positive_count, default=None, metavar="N", help="stop after N looks"
-    )
-    status.add_argument(
-        "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
     )
     status.set_defaults(handler=cmd_status)

@@ -90,30 +90,8 @@ def build_dataloader(
     if data.text_path:
         path = data.text_path
         if tokenizer is None or tokenizer is byte_tokenizer:
-            if vocab_size is not None and vocab_size < BYTE_VOCAB:
-                raise DataError(
-                    f"data.text_path: byte-level text needs a vocabulary of at least "
-                    f"{BYTE_VOCAB}, but the model's vocab_size is {vocab_size}; pass a tokenizer"
-                )
-            holdout = text_holdout(config)
-            # Check the file now, in the main process.
-            ByteTextStream(path, seq_len, micro, holdout_fraction=holdout)
-
-            def iterate_bytes(start: int) -> Iterator[Batch]:
-                stream = ByteTextStream(
-                    path,
-                    seq_len,
-                    micro,
-                    start,
-                    rank=rank,
-                    num_ranks=num_ranks,
-                    holdout_fraction=holdout,
-                )
-                return stream_batches(config, stream)
-
-            held = f", last {holdout:.0%} held out for eval" if holdout else ""
-            return DataSource(
-                iterate_bytes, description=f"text {path} (bytes, seq {seq_len}{held})"
+            return _byte_text_source(
+                config, seq_len, vocab_size, rank=rank, num_ranks=num_ranks, held_out=False
             )
         if text_holdout(config):
             raise DataError(
@@ -221,19 +199,47 @@ def build_holdout_source(
     seq_len = _within("seq_len", data.seq_len, seq_len, "max_seq_len")
     if seq_len is None:
         raise DataError(MISSING_SEQ_LEN)
+    return _byte_text_source(
+        config, seq_len, vocab_size, rank=rank, num_ranks=num_ranks, held_out=True
+    )
+
+
+def _byte_text_source(
+    config: SpeedtronicConfig,
+    seq_len: int,
+    vocab_size: int | None,
+    *,
+    rank: int,
+    num_ranks: int,
+    held_out: bool,
+) -> DataSource:
+    """``data.text_path`` read as bytes: the training blocks, or (``held_out``) the held-out
+    tail that training skips; both split by rank. The file is checked now, in this process."""
+    path = config.data.text_path
     if vocab_size is not None and vocab_size < BYTE_VOCAB:
         raise DataError(
             f"data.text_path: byte-level text needs a vocabulary of at least {BYTE_VOCAB}, but "
-            f"the model's vocab_size is {vocab_size}"
+            f"the model's vocab_size is {vocab_size}; pass a tokenizer"
         )
-    micro = data.micro_batch_size
-    options = {"rank": rank, "num_ranks": num_ranks, "holdout_fraction": holdout, "held_out": True}
-    ByteTextStream(path, seq_len, micro, **options)  # check now
+    holdout = text_holdout(config)
+    micro = config.data.micro_batch_size
+    options = {
+        "rank": rank,
+        "num_ranks": num_ranks,
+        "holdout_fraction": holdout,
+        "held_out": held_out,
+    }
+    ByteTextStream(path, seq_len, micro, **options)
 
     def iterate(start: int) -> Iterator[Batch]:
         return stream_batches(config, ByteTextStream(path, seq_len, micro, start, **options))
 
-    return DataSource(iterate, description=f"held-out last {holdout:.0%} of {path} (bytes)")
+    if held_out:
+        description = f"held-out last {holdout:.0%} of {path} (bytes)"
+    else:
+        held = f", last {holdout:.0%} held out for eval" if holdout else ""
+        description = f"text {path} (bytes, seq {seq_len}{held})"
+    return DataSource(iterate, description=description)
 
 
 MISSING_SEQ_LEN = (
