@@ -259,6 +259,41 @@ def test_resume_after_an_upload_landed_past_the_checkpoint_sends_nothing_twice(
         torch.testing.assert_close(value, start[name] - now[name])
 
 
+def test_a_delta_that_lands_after_the_resume_asked_is_still_not_sent_twice(
+    tmp_path: Path,
+) -> None:
+    """The store says "not there" at resume (a Hub commit the server was still finishing),
+    and the delta lands before the next boundary: that boundary asks again first."""
+    store = MemoryTransport()
+    first, model = make(store, tmp_path, inner_steps=2, async_delta_upload=True)
+    first.start()
+    start = floats(model)
+    release = store.hold("upload_delta")
+    nudge(model)
+    first.after_optimizer_step(model, 2)
+    checkpoint, checkpoint_model = first.state_dict(), params(model)
+    release.set()
+    assert first.wait_idle(SETTLE)
+    first.stop()
+    late = store.files.pop(delta_path("w1", 2))  # not visible yet when the resumed node asks
+    resumed = make_net(seed=7)
+    resumed.load_state_dict(checkpoint_model)
+    second = DumbDiLoCoCoordinator(
+        dist_config(inner_steps=2), resumed, hub=store, state_dir=tmp_path / "state"
+    )
+    second.load_state_dict(checkpoint)
+    second.start()
+    assert second.state_dict()["pending_delta"] is not None  # still open: asked once
+    store.files[delta_path("w1", 2)] = late  # the late commit lands
+    nudge(resumed, 0.5)
+    second.after_optimizer_step(resumed, 4)
+    second.stop()
+    total = {k: stored_delta(store, "w1", 2)[k] + stored_delta(store, "w1", 4)[k] for k in start}
+    now = params(resumed)
+    for name, value in total.items():
+        torch.testing.assert_close(value, start[name] - now[name])
+
+
 def test_resume_after_a_failed_upload_sends_it_again(tmp_path: Path) -> None:
     store = MemoryTransport()
     first, model = make(store, tmp_path, inner_steps=2, async_delta_upload=True, max_retries=0)

@@ -23,8 +23,10 @@ waits (bounded) for it to land and lets the master aggregate what is pending.
 effect on the baseline is outstanding, checkpoints record it (``pending_delta``: local step,
 upload id, base outer step). A resumed node asks the store whether that delta arrived: if it
 did, the baseline advances to its target (the checkpointed weights at that step, or baseline
-minus the stored delta); if not, the baseline stays and the next boundary sends that progress
-again, cumulatively. Either way nothing is sent twice and nothing is lost.
+minus the stored delta); if not, it asks once more at the next boundary, right before sending
+(an upload whose request left just before the crash may land late), and if it is still not
+there the baseline stays and that boundary sends the progress again, cumulatively. Either way
+nothing is sent twice and nothing is lost, short of a commit that lands later than that.
 
 **Signed contributions.** With ``signing_key`` (or ``$SPEEDTRONIC_DILOCO_KEY``) every delta is
 signed (:mod:`speedtronic_diloco.signing`) and every downloaded global must verify.
@@ -174,6 +176,7 @@ class DumbDiLoCoCoordinator:
         # ``pending_delta``); ``_unresolved`` when a resume could not ask the store about it.
         self._pending_ref: dict[str, Any] | None = None
         self._unresolved = False
+        self._pending_asks = 0  # how often the store said "not there" about _pending_ref
         self._final_sent: tuple[int, bool] | None = None  # (local step, landed)
         # Own deltas not yet seen in a global (install_at: boundary): see _with_own_progress.
         self._unmerged: dict[int, TensorDict] = {}
@@ -510,12 +513,14 @@ class DumbDiLoCoCoordinator:
 
     def _resolve_pending(self) -> None:
         """A resumed node: did the upload the checkpoint recorded as outstanding arrive? Yes:
-        move the baseline to its target. No: keep the baseline (the next delta includes that
+        move the baseline to its target. No: ask once more at the next boundary (a late
+        commit may still land), then keep the baseline (the next delta includes that
         progress). Unknown (store unreachable): ask again at the next boundary."""
         with self._lock:
             ref = self._pending_ref
         if ref is None:
             self._unresolved = False
+            self._pending_asks = 0
             return
         step, upload_id = int(ref["local_step"]), str(ref["upload_id"])
         read, listing = self._retry.attempt(
@@ -548,7 +553,20 @@ class DumbDiLoCoCoordinator:
                 if metadata.get("upload_id") == upload_id:
                     with contextlib.suppress(CodecError):  # undecodable: as if it never came
                         stored = decode_delta(tensors, metadata)
+        if stored is None and self._pending_asks == 0:
+            # Not there at resume. An upload whose request left just before the crash may
+            # still land (a Hub commit the server is finishing), so the next boundary asks
+            # once more, right before it sends anything, an inner loop later.
+            self._pending_asks = 1
+            self._unresolved = True
+            log.info(
+                "the delta of step %d (in flight at the checkpoint) is not in the store; "
+                "asking once more at the next boundary before sending that progress again",
+                step,
+            )
+            return
         self._unresolved = False
+        self._pending_asks = 0
         with self._lock:
             self._pending_ref = None
             if stored is None:
