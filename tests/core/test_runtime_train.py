@@ -147,3 +147,24 @@ def test_sinks_are_closed_when_the_trainer_cannot_be_built(tmp_path):
     with pytest.raises(SpeedtronicError, match="no trainable parameters"):
         build_runtime(config, model=frozen, hooks=[sink], console=False)
     assert sink.closes == 1
+
+
+def test_run_threads_sets_torch_threads_for_the_process(tmp_path):
+    config = {
+        "run": {"device": "cpu", "max_steps": 1, "output_dir": str(tmp_path), "threads": 2},
+        "model": TINY_MODEL,
+        "checkpoint": {"save_final": False},
+        "logging": {"progress": False},
+    }
+    before = torch.get_num_threads()
+    try:
+        build_runtime(config, console=False)
+        assert torch.get_num_threads() == 2
+        config["run"].pop("threads")
+        build_runtime(config, console=False)
+        assert torch.get_num_threads() == 2  # unset: left as the process has it
+    finally:
+        torch.set_num_threads(before)
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(SpeedtronicError, match=r"run\.threads"):
+            SpeedtronicConfig.load({**config, "run": {**config["run"], "threads": bad}})

@@ -63,6 +63,14 @@ class RunConfig(Section):
         100, ge=1, help="Global optimizer-step target; a resumed run continues up to it."
     )
     output_dir: str = option("runs/speedtronic", help="Directory for checkpoints and logs.")
+    threads: int | None = option(
+        None,
+        ge=1,
+        le=4096,
+        help="CPU threads for torch's intra-op work in this process (`torch.set_num_threads`); "
+        "unset keeps torch's default (all cores, or $OMP_NUM_THREADS). Set 1 when several "
+        "training processes share one machine's cores.",
+    )
 
 
 @dataclass

@@ -150,6 +150,8 @@ def build_runtime(
     """
     config = SpeedtronicConfig.load(config)
     logging.getLogger("speedtronic").setLevel(config.logging.level)
+    if config.run.threads is not None:
+        torch.set_num_threads(config.run.threads)  # a process setting: before any work
     pm = get_plugin_manager()
     parallel = init_parallel(config.parallel, config.run.device)
     if not parallel.is_main:  # rank 0 speaks for the run; the others only warn
