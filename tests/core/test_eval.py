@@ -171,7 +171,7 @@ def test_eval_cli_scores_a_checkpoint_like_the_run_did(tmp_path: Path) -> None:
         text=True,
         timeout=300,
     )
-    assert missing.returncode == 2 and missing.stderr.startswith("error: checkpoint ")
+    assert missing.returncode == 2 and missing.stderr.startswith("error: --checkpoint ")
     assert "Traceback" not in missing.stderr
 
 

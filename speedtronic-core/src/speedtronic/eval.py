@@ -169,7 +169,14 @@ def build_eval_source(
 
     section = config.eval
     micro = section.micro_batch_size or config.data.micro_batch_size
-    plain = {"data.num_workers": 0, "data.micro_batch_size": micro, "data.shuffle": False}
+    # The eval source's own micro-batch; the training batch size (a multiple of the training
+    # micro-batch, not necessarily of this one) does not apply to it.
+    plain = {
+        "data.num_workers": 0,
+        "data.micro_batch_size": micro,
+        "data.target_batch_size": None,
+        "data.shuffle": False,
+    }
     if dataset is not None:
         return build_dataloader(
             config.with_overrides(plain), dataset, seq_len=seq_len, vocab_size=vocab_size
@@ -188,9 +195,15 @@ def build_eval_source(
         eval_config = config.with_overrides(
             {**plain, "data.text_path": section.text_path, "data.shards": None}
         )
-        return build_dataloader(
-            eval_config, seq_len=seq_len, vocab_size=vocab_size, rank=rank, num_ranks=num_ranks
-        )
+        try:
+            return build_dataloader(
+                eval_config, seq_len=seq_len, vocab_size=vocab_size, rank=rank, num_ranks=num_ranks
+            )
+        except DataError as exc:  # the text stream names data.text_path: here it is eval's
+            text = str(exc)
+            if not text.startswith("data.text_path: "):
+                raise
+            raise DataError("eval.text_path: " + text.removeprefix("data.text_path: ")) from None
     if config.data.text_path:
         if not section.holdout_fraction:
             raise ConfigError(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from typing import Any
 
 from speedtronic.cli import add_set_option, load_config
@@ -49,8 +50,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.batches is not None:
         config = config.with_overrides([f"eval.batches={args.batches}"])
 
-    from speedtronic.checkpoint import CheckpointManager
     from speedtronic.eval import Evaluator, build_eval_source
+    from speedtronic.inference import read_checkpoint
     from speedtronic.parts import model_limits
     from speedtronic.plugins import get_plugin_manager
     from speedtronic.precision import resolve_device, resolve_precision
@@ -67,8 +68,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
             )
         source = "the store's global weights"
     else:
-        loaded = CheckpointManager(config.checkpoint_dir).load(args.checkpoint)
-        weights = loaded.state.get("model") if isinstance(loaded.state, dict) else None
+        # As export and generate read it: latest, best, a step_NNNNNNNN directory or a
+        # directory holding them, with the trainer state checked.
+        loaded = read_checkpoint(config, args.checkpoint)
+        weights = loaded.state.get("model")
         source = str(loaded.path)
     mismatch = state_mismatch(model.state_dict(), weights)
     if mismatch:
@@ -96,7 +99,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
         "elapsed_s": result.elapsed_s,
     }
     if args.format == "json":
-        print(json.dumps(record, allow_nan=False, default=str))
+        # A diverged checkpoint scores NaN (and a huge loss an infinite ppl): JSON has no such
+        # numbers, so they are written as null.
+        finite = {
+            key: None if isinstance(value, float) and not math.isfinite(value) else value
+            for key, value in record.items()
+        }
+        print(json.dumps(finite, allow_nan=False, default=str))
         return 0
     from rich.console import Console
     from rich.table import Table

@@ -131,6 +131,11 @@ def export_run(
 def _check_destination(destination: Path, force: bool) -> None:
     if destination.is_symlink() or (destination.exists() and not destination.is_dir()):
         raise ExportError(f"--out {destination} exists and is not a folder")
+    ancestor = destination.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():  # found now, not after the weights are loaded
+        raise ExportError(f"--out {destination}: {ancestor} is not a folder")
     if destination.is_dir() and any(destination.iterdir()) and not force:
         raise ExportError(
             f"--out {destination} is not empty; pass --force to replace it (or pick a new folder)"

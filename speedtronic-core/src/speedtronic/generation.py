@@ -67,15 +67,26 @@ class SamplingOptions:
             raise ConfigError(f"must be >= 1, got {self.top_k}", "--top-k")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ConfigError(f"must be in (0, 1], got {self.top_p}", "--top-p")
+        if not -(2**63) <= self.seed < 2**64:  # what torch.Generator.manual_seed takes
+            raise ConfigError(f"must fit in 64 bits, got {self.seed}", "--seed")
         return self
 
 
 def sample_next(logits: torch.Tensor, options: SamplingOptions, generator: torch.Generator) -> int:
     """The next token from one position's logits ``[V]``."""
     logits = logits.detach().float().cpu()
+    if torch.isnan(logits).any() or torch.isposinf(logits).any() or torch.isneginf(logits).all():
+        raise SpeedtronicError(
+            "the model's logits are not finite (NaN or inf): its weights are damaged or the run "
+            "diverged; sample from an earlier checkpoint (--checkpoint PATH)"
+        )
     if options.temperature == 0:
         return int(torch.argmax(logits))
-    logits = logits / options.temperature
+    # The largest logit becomes 0 first, so a tiny temperature sends the others to -inf rather
+    # than every logit to +-inf (whose softmax is NaN); below float32's smallest normal number
+    # the temperature would round to 0 in the division.
+    temperature = max(options.temperature, torch.finfo(torch.float32).tiny)
+    logits = (logits - logits.max()) / temperature
     if options.top_k is not None and options.top_k < logits.numel():
         kth = torch.topk(logits, options.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, -math.inf)
@@ -84,6 +95,7 @@ def sample_next(logits: torch.Tensor, options: SamplingOptions, generator: torch
         probs = torch.softmax(ordered, dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (the most likely token always).
         drop = torch.cumsum(probs, dim=-1) - probs >= options.top_p
+        drop[0] = False  # a top_p below float32's smallest number would drop them all
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), -math.inf)
     probs = torch.softmax(logits, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
@@ -132,6 +144,13 @@ def generate_tokens(
     prompt = [int(token) for token in prompt_ids]
     if not prompt:
         raise DataError("the prompt is empty: give at least one token")
+    vocab = getattr(model, "vocab_size", None)
+    if isinstance(vocab, int) and not 0 <= min(prompt) <= max(prompt) < vocab:
+        outside = next(token for token in prompt if not 0 <= token < vocab)
+        raise DataError(
+            f"the prompt holds token id {outside}, outside the model's vocabulary of {vocab} "
+            "ids: encode it with the run's tokenizer (--tokenizer)"
+        )
     budget = options.max_new_tokens
     max_len = getattr(model, "max_seq_len", None)
     if isinstance(max_len, int):
@@ -215,6 +234,18 @@ class TextCodec:
         raise NotImplementedError
 
 
+def _utf8(text: str) -> bytes:
+    """``text`` as UTF-8; a :class:`DataError` for a lone surrogate (what Python makes of bytes
+    on the command line that are not UTF-8)."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise DataError(
+            f"the prompt is not valid UTF-8 text (character {exc.start} is "
+            f"{text[exc.start]!r}, from bytes that are not UTF-8?)"
+        ) from None
+
+
 class ByteCodec(TextCodec):
     """UTF-8 bytes as ids 0-255 (core's byte-level text tokenizer). Ids above 255 (an EOS, or a
     synthetic vocabulary's extra ids) decode to nothing."""
@@ -224,7 +255,7 @@ class ByteCodec(TextCodec):
         self.eos_id = eos_id
 
     def encode(self, text: str) -> list[int]:
-        ids = list(text.encode("utf-8"))
+        ids = list(_utf8(text))
         if self.vocab_size is not None and ids and max(ids) >= self.vocab_size:
             raise DataError(
                 f"the prompt holds byte {max(ids)}, outside the model's vocabulary of "
@@ -258,6 +289,7 @@ class TokenizerCodec(TextCodec):
         self.eos_id = eos_id
 
     def encode(self, text: str) -> list[int]:
+        _utf8(text)
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
     def decoder(self) -> Callable[[int | None], str]:

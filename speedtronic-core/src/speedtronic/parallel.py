@@ -156,6 +156,16 @@ def init_parallel(section: Any, requested_device: str) -> ParallelContext:
         raise SpeedtronicError(
             "WORLD_SIZE is set but RANK is missing or not a number: launch with torchrun"
         ) from None
+    if not 0 <= rank < world:
+        raise SpeedtronicError(
+            f"RANK is {rank}, outside 0 .. WORLD_SIZE - 1 = {world - 1}: launch with torchrun"
+        )
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if missing and not dist.is_initialized():
+        raise SpeedtronicError(
+            f"WORLD_SIZE is set but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+            "not: launch with torchrun"
+        )
     use_cuda = requested_device in ("auto", "cuda") and torch.cuda.is_available()
     backend = section.backend
     if backend == "auto":

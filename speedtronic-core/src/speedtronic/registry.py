@@ -87,6 +87,10 @@ def import_factory(path: str, where: str = "model.name") -> Callable[..., Any]:
         target: Any = importlib.import_module(module_name)
     except ImportError as exc:
         raise ConfigError(f"cannot import {module_name!r} for {path!r}: {exc}", where) from None
+    except Exception as exc:  # the module raised on import; --debug shows its traceback
+        raise ConfigError(
+            f"importing {module_name!r} for {path!r} failed ({type(exc).__name__}: {exc})", where
+        ) from exc
     for part in attribute.split("."):
         target = getattr(target, part, None)
         if target is None:
@@ -138,7 +142,21 @@ def build_model_from_hook(name: str, **params: Any) -> Any:
     """Build model ``name`` through the ``build_model`` hook; a clear error if nobody answers."""
     from speedtronic.plugins import get_plugin_manager, missing_provider_hint
 
-    model = get_plugin_manager().hook.build_model(name=name, params=dict(params))
+    try:
+        model = get_plugin_manager().hook.build_model(name=name, params=dict(params))
+    except (MemoryError, RuntimeError) as exc:
+        text = str(exc)
+        if not isinstance(exc, MemoryError) and not (
+            "can't allocate memory" in text or "out of memory" in text
+        ):
+            raise
+        tried = re.search(r"allocate (\d+) bytes", text)
+        size = f" (it tried to allocate {int(tried.group(1)) / 2**30:,.1f} GiB)" if tried else ""
+        raise ConfigError(
+            f"building model {name!r} needs more memory than there is{size}: check its sizes "
+            "(vocab_size, d_model, n_layer, ...)",
+            "model",
+        ) from None
     if model is None:
         names = known_model_names()
         close = difflib.get_close_matches(name, names, n=1)

@@ -109,6 +109,11 @@ def dataset_from_config(config: SpeedtronicConfig, rank: int = 0, num_ranks: int
         raise ConfigError(
             f"calling {config.data.dataset} failed: {exc}", "data.dataset_args"
         ) from None
+    except Exception as exc:  # the factory refused its arguments; --debug shows its traceback
+        raise ConfigError(
+            f"calling {config.data.dataset} failed ({type(exc).__name__}: {exc})",
+            "data.dataset_args",
+        ) from exc
 
 
 def check_runtime(config: Any) -> str:

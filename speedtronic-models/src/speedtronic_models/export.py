@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from speedtronic import ConfigError
+from speedtronic.checkpoint.fileio import read_regular, regular_file_problem
 from speedtronic_models.config import TransformerConfig
 from speedtronic_models.model import ReferenceTransformer
 
@@ -233,13 +234,14 @@ def load_llama(model: ReferenceTransformer, directory: Any) -> None:
 def _read_config(folder: Path) -> dict[str, Any]:
     path = folder / CONFIG_FILE
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(_read_small(path).decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(
             f"{folder} has no {CONFIG_FILE}: not a Hugging Face model folder", WHERE
         ) from None
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read {path}: {exc}", WHERE) from None
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: deep nesting
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise ConfigError(f"cannot read {path}: {reason}", WHERE) from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path} is not a JSON object", WHERE)
     return data
@@ -316,13 +318,20 @@ def _weight_files(folder: Path) -> list[Path]:
         return [single]
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            weight_map = json.loads(_read_small(index).decode("utf-8"))["weight_map"]
             shards = sorted(set(weight_map.values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ConfigError(f"cannot read {index}: {exc}", WHERE) from None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            raise ConfigError(f"cannot read {index}: {reason}", WHERE) from None
         for shard in shards:
             if not isinstance(shard, str) or Path(shard).name != shard:
                 raise ConfigError(f"{index} names a shard outside the folder: {shard!r}", WHERE)
+            try:
+                problem = regular_file_problem(os.stat(folder / shard).st_mode)
+            except OSError as exc:
+                raise ConfigError(f"cannot read {folder / shard}: {exc.strerror}", WHERE) from None
+            if problem is not None:  # a FIFO would hang safetensors' open()
+                raise ConfigError(f"{folder / shard} is {problem}", WHERE)
         return [folder / shard for shard in shards]
     pickled = [name for name in ("pytorch_model.bin", "model.pt") if (folder / name).exists()]
     hint = (
@@ -331,6 +340,18 @@ def _weight_files(folder: Path) -> list[Path]:
         else ""
     )
     raise ConfigError(f"{folder} has no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE}{hint}", WHERE)
+
+
+# config.json and the weights index are a few KiB to a few MiB; anything larger is not one.
+MAX_JSON_BYTES = 64 << 20
+
+
+def _read_small(path: Path) -> bytes:
+    """A JSON file of the folder: a regular file (a FIFO there would hang us), bounded."""
+    raw = read_regular(path, MAX_JSON_BYTES)
+    if len(raw) > MAX_JSON_BYTES:
+        raise ValueError(f"larger than {MAX_JSON_BYTES >> 20} MiB: not a model config")
+    return raw
 
 
 def _read_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:

@@ -95,18 +95,30 @@ def build_hf_causal_lm(params: Mapping[str, Any]) -> Any:
     transformers = import_transformers()
     import torch
 
+    on_meta = torch.empty(()).device.type == "meta"  # speedtronic validate: nothing allocated
     if pretrained is not None:
         folder = _local_folder(pretrained)
+        _check_config_file(folder)
         try:
             config = transformers.AutoConfig.from_pretrained(
                 str(folder), local_files_only=True, trust_remote_code=False
             )
-        except (OSError, ValueError) as exc:
+        except Exception as exc:  # OSError, ValueError, huggingface_hub's validation errors
             raise ConfigError(
                 f"{folder} is not a transformers model folder: {_first_line(exc)}",
                 "model.pretrained",
             ) from None
-        _apply_overrides(config, dict(config_params or {}))
+        try:
+            _apply_overrides(config, dict(config_params or {}))
+        except ConfigError:
+            raise
+        except Exception as exc:  # a value the config class refuses
+            raise ConfigError(_first_line(exc), "model.config") from None
+        skeleton = _bounded_skeleton(
+            transformers, torch, config, attn, "model.pretrained", folder, not on_meta
+        )
+        if on_meta:
+            return adapt(skeleton)
         try:
             model = transformers.AutoModelForCausalLM.from_pretrained(
                 str(folder),
@@ -122,13 +134,84 @@ def build_hf_causal_lm(params: Mapping[str, Any]) -> Any:
             ) from None
     else:
         config = _new_config(transformers, dict(config_params or {}))
+        skeleton = _bounded_skeleton(
+            transformers, torch, config, attn, "model.config", None, not on_meta
+        )
+        if on_meta:
+            return adapt(skeleton)
         try:
             model = transformers.AutoModelForCausalLM.from_config(
                 config, attn_implementation=attn, **_fp32(transformers, torch)
             )
-        except ValueError as exc:
+        except (ValueError, RuntimeError, MemoryError) as exc:
             raise ConfigError(_first_line(exc), "model.config") from None
     return adapt(model)
+
+
+# A config.json is a few KiB; anything much larger is not one.
+MAX_CONFIG_BYTES = 16 << 20
+
+
+def _check_config_file(folder: Path) -> None:
+    """The folder's ``config.json``, when there is one, is a regular file of sane size (a FIFO
+    would hang the reader, a huge file fill the memory) before transformers reads it."""
+    path = folder / "config.json"
+    if not os.path.lexists(path):
+        return  # transformers names what is missing
+    from speedtronic.checkpoint.fileio import read_regular
+
+    try:
+        size = len(read_regular(path, MAX_CONFIG_BYTES))
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot read {path}: {exc.strerror or exc}", "model.pretrained"
+        ) from None
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"{path} is larger than {MAX_CONFIG_BYTES >> 20} MiB: not a model config",
+            "model.pretrained",
+        )
+
+
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _bounded_skeleton(
+    transformers: Any,
+    torch: Any,
+    config: Any,
+    attn: Any,
+    where: str,
+    folder: Path | None,
+    check_memory: bool,
+) -> Any:
+    """The model ``config`` describes, built on the meta device (no memory): a config whose
+    sizes are negative or absurd is one :class:`ConfigError` at ``where`` here and, with
+    ``check_memory`` (the model is about to be allocated here, not just validated), one whose
+    fp32 weights exceed this machine's memory is refused before anything is allocated."""
+    source = f"{folder / 'config.json'}" if folder is not None else "the config"
+    try:
+        with torch.device("meta"):
+            skeleton = transformers.AutoModelForCausalLM.from_config(
+                config, attn_implementation=attn, **_fp32(transformers, torch)
+            )
+    except Exception as exc:  # negative sizes, wrong types, inconsistent fields
+        raise ConfigError(
+            f"cannot build a model from {source}: {_first_line(exc)}", where
+        ) from None
+    count = sum(parameter.numel() for parameter in skeleton.parameters())
+    need, memory = 4 * count, _physical_memory() if check_memory else None
+    if memory is not None and need > memory:
+        raise ConfigError(
+            f"{source} describes a model of {count:,} parameters ({need / 2**30:,.1f} GiB of "
+            f"fp32 weights), more than this machine's memory ({memory / 2**30:,.1f} GiB)",
+            where,
+        )
+    return skeleton
 
 
 def _fp32(transformers: Any, torch: Any) -> dict[str, Any]:
@@ -258,7 +341,7 @@ def _new_config(transformers: Any, fields: dict[str, Any]) -> Any:
     _check_fields(config_class, fields, model_type)
     try:
         return config_class(**fields)
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # TypeError, ValueError, huggingface_hub's validation errors
         raise ConfigError(_first_line(exc), "model.config") from None
 
 
@@ -297,5 +380,8 @@ def _check_fields(config_class: Any, fields: Mapping[str, Any], model_type: str)
 
 
 def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    # "Validation error for field 'x':" says what is wrong on the next line.
+    return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]

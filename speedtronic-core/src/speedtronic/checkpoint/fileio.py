@@ -15,6 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
 
+from speedtronic._files import read_regular, regular_file_problem
+
 __all__ = [
     "atomic_write_bytes",
     "atomic_write_text",
@@ -23,6 +25,8 @@ __all__ = [
     "fsync_dir",
     "fsync_file",
     "probe_writable",
+    "read_regular",
+    "regular_file_problem",
     "sha256_chunks",
     "sha256_file",
 ]

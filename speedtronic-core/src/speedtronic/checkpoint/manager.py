@@ -37,7 +37,13 @@ from typing import Any
 from safetensors.torch import load_file, save_file
 
 from speedtronic.checkpoint import statecodec
-from speedtronic.checkpoint.fileio import atomic_write_text, fsync_dir, fsync_file, sha256_chunks
+from speedtronic.checkpoint.fileio import (
+    atomic_write_text,
+    fsync_dir,
+    fsync_file,
+    read_regular,
+    sha256_chunks,
+)
 from speedtronic.errors import CheckpointError
 
 __all__ = [
@@ -69,6 +75,19 @@ NAME_PATTERN = re.compile(r"^step_(\d{8,18})$")
 HASH_CHUNK_BYTES = 32 << 20
 # A pointer is one short JSON line; anything larger is not one.
 MAX_POINTER_BYTES = 64 << 10
+# A manifest lists one sha256 per 32 MiB slice: 16 MiB of them describe terabytes.
+MAX_MANIFEST_BYTES = 16 << 20
+# What a damaged or hostile manifest raises while it is read: OverflowError for a number such as
+# 1e400 (JSON's infinity) where an integer belongs, RecursionError for arrays nested deep.
+_MANIFEST_PROBLEMS = (
+    OSError,
+    ValueError,
+    KeyError,
+    TypeError,
+    AttributeError,
+    OverflowError,
+    RecursionError,
+)
 # Anything in the directory starting with this is ours and unreferenced: staging directories
 # of interrupted saves, parked copies of a re-saved step, checkpoints being deleted.
 _HIDDEN_PREFIX = ".step_"
@@ -237,14 +256,13 @@ class CheckpointManager:
         """
         pointer = self.directory / pointer_name
         try:
-            with open(pointer, "rb") as handle:
-                raw = handle.read(MAX_POINTER_BYTES + 1)
+            raw = read_regular(pointer, MAX_POINTER_BYTES)  # a FIFO there must not hang us
             if len(raw) > MAX_POINTER_BYTES:
                 raise ValueError(f"larger than {MAX_POINTER_BYTES} bytes")
             data = json.loads(raw.decode("utf-8"))
         except FileNotFoundError:
             return None
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:  # RecursionError: deep nesting
             log.warning(
                 "checkpoint pointer %s is unreadable (%s); looking for checkpoints in %s",
                 pointer,
@@ -271,7 +289,10 @@ class CheckpointManager:
         if path.is_symlink() or not path.is_dir():
             raise CheckpointError(f"{path.name} is missing or not a directory")
         try:
-            manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+            raw = read_regular(path / MANIFEST, MAX_MANIFEST_BYTES)
+            if len(raw) > MAX_MANIFEST_BYTES:
+                raise ValueError(f"larger than {MAX_MANIFEST_BYTES >> 20} MiB")
+            manifest = json.loads(raw.decode("utf-8"))
             files = manifest["files"]
             manifest_step = int(manifest["step"])
             expected_files = {
@@ -280,7 +301,7 @@ class CheckpointManager:
             }
         except FileNotFoundError:
             raise CheckpointError(f"{path.name}: no manifest (incomplete checkpoint)") from None
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        except _MANIFEST_PROBLEMS as exc:
             raise CheckpointError(f"{path.name}: unreadable manifest ({exc})") from None
         if manifest_step != step:
             raise CheckpointError(f"{path.name}: manifest is for step {manifest_step}")
@@ -336,6 +357,12 @@ class CheckpointManager:
             return loaded
         if which == "best":
             target = self.pointer_target(BEST_POINTER)
+            if target is None and os.path.lexists(self.directory / BEST_POINTER):
+                raise CheckpointError(
+                    f"no best checkpoint in {self.directory}: {BEST_POINTER} is unusable (the "
+                    "warning above says why); give --checkpoint latest or a step_NNNNNNNN "
+                    "directory"
+                )
             if target is None:
                 raise CheckpointError(
                     f"no best checkpoint in {self.directory} ({BEST_POINTER} is missing: the run "

@@ -23,6 +23,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from speedtronic._files import regular_file_problem
 from speedtronic.errors import DataError
 
 __all__ = [
@@ -117,10 +118,13 @@ def find_inputs(
             return
         seen.add(resolved)
         try:
-            size = path.stat().st_size
+            info = path.stat()
         except OSError as exc:
             raise DataError(f"{path}: cannot read: {exc.strerror or exc}") from None
-        found.append(InputFile(str(path), kind, size))
+        problem = regular_file_problem(info.st_mode)
+        if problem is not None:  # reading a FIFO or a device would block or never end
+            raise DataError(f"{path}: cannot read: {problem}; prepare reads regular files only")
+        found.append(InputFile(str(path), kind, info.st_size))
 
     for argument in inputs:
         path = Path(argument)

@@ -168,7 +168,7 @@ def build_eval_source(
         num_ranks=num_ranks,
         verify=data.verify_shards,
         config=config,
-        where="eval shards" if directory != data.shards else "data.shards",
+        where="eval.shards" if directory != data.shards else "data.shards",
     )
 
 

@@ -39,6 +39,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from speedtronic._files import read_regular
 from speedtronic.data.documents import (
     Piece,
     ReadOptions,
@@ -53,6 +54,7 @@ from speedtronic.data.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     INDEX_NAME,
+    MAX_INDEX_BYTES,
     SHARD_GLOB,
     SPLITS,
     shard_file,
@@ -325,6 +327,36 @@ def _locked(out: Path) -> Iterator[None]:
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
+def _check_replaceable(out: Path) -> None:
+    """Refuse, before any work, an ``--out`` whose contents a prepare would destroy without
+    them being a prepare's output: someone else's ``index.json``, or a file where the
+    ``train/`` or ``eval/`` folder goes (the commit would fail after deleting the old index)."""
+    index = out / INDEX_NAME
+    if os.path.lexists(index):
+        try:
+            raw = read_regular(index, MAX_INDEX_BYTES)
+        except OSError as exc:
+            raise DataError(
+                f"--out {out}: cannot replace its {INDEX_NAME}: {exc.strerror or exc}"
+            ) from None
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except (ValueError, RecursionError):
+            data = None  # a damaged index, most likely a prepare's: replaced
+        if data is not None and not (isinstance(data, dict) and data.get("format") == FORMAT_NAME):
+            raise DataError(
+                f"--out {out} holds an {INDEX_NAME} that is not a token-shard index (no "
+                f'"format": "{FORMAT_NAME}"); refusing to replace it: pick another --out'
+            )
+    for split in SPLITS:
+        target = out / split
+        if os.path.lexists(target) and not target.is_dir():
+            raise DataError(
+                f"--out {out}: {target} exists and is not a directory; move it away or pick "
+                "another --out"
+            )
+
+
 def _commit(out: Path, staging: Path, index: dict[str, Any]) -> None:
     """Move the staged shards into place and write ``index.json`` last."""
     from speedtronic.checkpoint.fileio import atomic_writer, fsync_dir
@@ -428,6 +460,7 @@ def prepare(
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {out} exists and is not a directory")
+    _check_replaceable(out)
 
     spec = load_encoder_spec(tokenizer, eos_token, append_eos)
     dtype = DTYPES[spec.dtype]
@@ -437,7 +470,10 @@ def prepare(
     tasks = group_tasks(plan_pieces(files, read, task_bytes, skips), task_bytes)
     options = TaskOptions(read, append_eos, int(eval_fraction * 2**64))
 
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DataError(f"--out {out}: cannot create it: {exc.strerror or exc}") from None
     documents = dict.fromkeys(SPLITS, 0)
     tokens = dict.fromkeys(SPLITS, 0)
     empty = input_bytes = 0

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from speedtronic._files import read_regular, regular_file_problem
 from speedtronic.data.format import (
     DTYPES,
     FORMAT_NAME,
@@ -127,8 +128,7 @@ def read_index(directory: str | os.PathLike[str], where: str = "data.shards") ->
         raise DataError(f"{where}: not a directory: {root}")
     path = root / INDEX_NAME
     try:
-        with open(path, "rb") as handle:
-            raw = handle.read(MAX_INDEX_BYTES + 1)
+        raw = read_regular(path, MAX_INDEX_BYTES)  # a FIFO there must not hang the reader
     except FileNotFoundError:
         raise DataError(
             f"{where}: {root} has no {INDEX_NAME}: it is not a token-shard directory, or its "
@@ -230,13 +230,17 @@ def check_shards(
     for shard in shards:
         expected = shard.tokens * itemsize
         try:
-            size = os.stat(shard.path).st_size
+            info = os.stat(shard.path)
         except FileNotFoundError:
             raise DataError(
                 f"{where}: shard {shard.path} is missing (listed in index.json)"
             ) from None
         except OSError as exc:
             raise DataError(f"{where}: cannot read shard {shard.path}: {exc.strerror}") from None
+        problem = regular_file_problem(info.st_mode)
+        if problem is not None:  # a directory or a FIFO, say, cannot be memory-mapped
+            raise DataError(f"{where}: shard {shard.path} is {problem}")
+        size = info.st_size
         if size != expected:
             raise DataError(f"{where}: {_size_problem(shard, size, index.dtype)}")
     if verify:
@@ -383,9 +387,11 @@ class ShardTokenStream(IndexedTokenStream):
         rank: int = 0,
         num_ranks: int = 1,
         where: str = "data.shards",
+        vocab_size: int | None = None,
     ) -> None:
         super().__init__(seq_len, micro_batch_size, start_sample, rank=rank, num_ranks=num_ranks)
         self.shards = tuple(shards)
+        self.vocab_size = vocab_size
         self.dtype = DTYPES[dtype] if isinstance(dtype, str) else np.dtype(dtype)
         self.seed = seed
         self.shuffle = shuffle
@@ -420,7 +426,22 @@ class ShardTokenStream(IndexedTokenStream):
         out = np.empty((len(offsets), width), dtype=np.int64)
         for row, (shard, offset) in enumerate(zip(shards.tolist(), offsets.tolist())):
             out[row] = self._shard(shard)[offset : offset + width]
+        if self.vocab_size is not None and out.size and int(out.max()) >= self.vocab_size:
+            self._out_of_vocabulary(out, shards, offsets)
         return out
+
+    def _out_of_vocabulary(self, out: np.ndarray, shards: np.ndarray, offsets: np.ndarray) -> None:
+        """Name the first id of ``out`` outside the vocabulary (without this check such an id
+        reaches the model's embedding as an opaque index error)."""
+        assert self.vocab_size is not None
+        row, column = (int(i[0]) for i in np.nonzero(out >= self.vocab_size))
+        shard = self.shards[int(shards[row])]
+        raise DataError(
+            f"{self.where}: shard {shard.path} holds token id {int(out[row, column])} (token "
+            f"{int(offsets[row]) + column}), outside the vocabulary of {self.vocab_size} that "
+            "index.json declares: the shard is corrupt or was changed after prepare "
+            "(data.verify_shards: true checks every shard before training)"
+        )
 
     def opened(self) -> list[int]:
         """The shards this process has mapped so far."""
@@ -443,11 +464,12 @@ class ShardTokenStream(IndexedTokenStream):
         """Map shard ``number`` read-only (a seam for tests that record what is opened)."""
         shard = self.shards[number]
         try:
-            size = os.stat(shard.path).st_size
+            info = os.stat(shard.path)
         except OSError as exc:
             raise DataError(
                 f"{self.where}: cannot open shard {shard.path}: {exc.strerror}"
             ) from None
+        size = info.st_size if regular_file_problem(info.st_mode) is None else -1
         if size != shard.tokens * self.dtype.itemsize:
             raise DataError(
                 f"{self.where}: shard {shard.path} changed after it was checked: {size} bytes, "
@@ -515,6 +537,7 @@ def shard_source(
             rank=rank,
             num_ranks=num_ranks,
             where=where,
+            vocab_size=index.vocab_size,
         )
 
     windows = stream(0).num_windows  # fails now if no window fits

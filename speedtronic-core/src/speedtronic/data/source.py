@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.data.streams import Batch
-from speedtronic.errors import DataError
+from speedtronic.errors import DataError, SpeedtronicError
 
 __all__ = ["DataSource", "repeat_epochs"]
 
@@ -63,7 +63,26 @@ def stream_batches(config: SpeedtronicConfig, stream: IterableDataset) -> Iterat
         # In-process and unpinned, a DataLoader would only add per-batch bookkeeping.
         return iter(stream)
     # The streams yield whole micro-batches, so the loader must not batch again.
-    return iter(make_loader(config, stream, batch_size=None))
+    return _worker_errors(iter(make_loader(config, stream, batch_size=None)))
+
+
+_WORKER_TRACEBACK = "Original Traceback (most recent call last):"
+
+
+def _worker_errors(batches: Iterator[Batch]) -> Iterator[Batch]:
+    """``batches``, but a :class:`SpeedtronicError` a DataLoader worker raised keeps its own
+    one-line message: torch re-raises it as the same class with the worker's whole traceback
+    as its message (``Caught DataError in DataLoader worker process 0. Original Traceback
+    ...``), which would reach the CLI as an error line holding a traceback."""
+    try:
+        yield from batches
+    except SpeedtronicError as exc:
+        text = str(exc)
+        if _WORKER_TRACEBACK not in text:
+            raise
+        # The traceback's last line is "speedtronic.errors.DataError: <the message>".
+        message = text.rstrip().splitlines()[-1].partition(": ")[2]
+        raise type(exc)(message or text) from None
 
 
 def repeat_epochs(
