@@ -7,7 +7,12 @@ Environment variables (all optional):
 * ``DILOCO_E2E_UPLOAD_DELAY`` with ``DILOCO_E2E_UPLOAD_STEP``: the shared-directory upload of
   that local step waits that long before it lands (an upload still in flight when the
   checkpoint of that step is written);
+* ``DILOCO_E2E_UPLOAD_AFTER``: a path; the upload of that step (or of the failing one) also
+  waits until it exists, at most ``DILOCO_E2E_HOLD_S`` (default 120 s): a checkpoint written
+  meanwhile, however slowly the node trains;
 * ``DILOCO_E2E_FAIL_UPLOAD_STEP``: that step's upload fails (after the delay), permanently;
+* ``DILOCO_E2E_HOLD_LATER``: ``1``: the uploads of later local steps wait ``DILOCO_E2E_HOLD_S``
+  before they land, so a node killed meanwhile has sent nothing after the chosen step;
 * ``DILOCO_E2E_BARRIER``: a directory; at train start the node writes ``<node_id>.ready``
   there and waits (at most ``DILOCO_E2E_BARRIER_S``, default 120 s) for a ``go`` file, so the
   test starts every node's training together however long each process took to start.
@@ -25,6 +30,9 @@ STEP_SLEEP = float(os.environ.get("DILOCO_E2E_STEP_SLEEP", "0") or 0)
 UPLOAD_STEP = int(os.environ.get("DILOCO_E2E_UPLOAD_STEP", "-1") or -1)
 UPLOAD_DELAY = float(os.environ.get("DILOCO_E2E_UPLOAD_DELAY", "0") or 0)
 FAIL_STEP = int(os.environ.get("DILOCO_E2E_FAIL_UPLOAD_STEP", "-1") or -1)
+UPLOAD_AFTER = os.environ.get("DILOCO_E2E_UPLOAD_AFTER")
+HOLD_LATER = os.environ.get("DILOCO_E2E_HOLD_LATER") == "1"
+HOLD_S = float(os.environ.get("DILOCO_E2E_HOLD_S", "120") or 120)
 BARRIER = os.environ.get("DILOCO_E2E_BARRIER")
 BARRIER_S = float(os.environ.get("DILOCO_E2E_BARRIER_S", "120") or 120)
 
@@ -34,9 +42,18 @@ if UPLOAD_STEP >= 0 or FAIL_STEP >= 0:
 
     _real_upload = SharedDirectoryTransport.upload_delta
 
+    def _hold(until: Any) -> None:
+        deadline = time.monotonic() + HOLD_S
+        while not until() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     def _upload_delta(self: Any, node_id: str, local_step: int, source: Any) -> None:
         if local_step in (UPLOAD_STEP, FAIL_STEP):
             time.sleep(UPLOAD_DELAY)
+            if UPLOAD_AFTER:
+                _hold(lambda: os.path.exists(UPLOAD_AFTER))
+        elif HOLD_LATER and local_step > max(UPLOAD_STEP, FAIL_STEP):
+            _hold(lambda: False)
         if local_step == FAIL_STEP:
             raise PermanentTransportError("injected upload failure (diloco_e2e_plugin)")
         _real_upload(self, node_id, local_step, source)

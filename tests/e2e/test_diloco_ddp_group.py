@@ -6,15 +6,11 @@ are hashed and compared), including after installing a global."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
-from typing import Any
 
 import pytest
+from diloco_nodes import Node, kill_all, wait_until, with_plugin, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -63,84 +59,45 @@ def after_optimizer_step(trainer, model, step):
 """
 
 
-def config(tmp_path: Path, name: str, role: str, steps: int) -> Path:
-    data: dict[str, Any] = {
-        "run": {"device": "cpu", "max_steps": steps, "seed": 1, "output_dir": str(tmp_path / name)},
-        "model": {
-            "name": "reference_transformer",
-            "vocab_size": 64,
-            "max_seq_len": 16,
-            "n_layer": 1,
-            "n_head": 2,
-            "d_model": 32,
-        },
-        "data": {"micro_batch_size": 2, "target_batch_size": 4},
-        "precision": {"mode": "fp32"},
-        "checkpoint": {"save_final": False},
-        "logging": {
-            "log_every": 1,
-            "progress": False,
-            "json_file": str(tmp_path / name / "metrics.jsonl"),
-        },
-        "distributed": {
-            "enabled": True,
-            "role": role,
-            "node_id": name,
-            "repo_id": f"file://{tmp_path / 'store'}",
+def config(tmp_path: Path, name: str, steps: int) -> Path:
+    return write_config(
+        tmp_path,
+        f"{name}.yaml",
+        run={"max_steps": steps, "seed": 1},
+        model={"max_seq_len": 16, "n_kv_head": None},
+        data={"micro_batch_size": 2, "target_batch_size": 4},
+        optimizer=None,  # the run's defaults
+        scheduler=None,
+        checkpoint={"save_final": False},
+        logging={"log_every": 1},
+        distributed={
             "inner_steps": 3,
-            "poll_interval": 0.2,
             "min_deltas": 1,
             "round_timeout": 1.0,
+            "outer_lr": None,
+            "outer_momentum": None,
+            "retry_backoff": None,
         },
-    }
-    path = tmp_path / f"{name}.json"
-    path.write_text(json.dumps(data))
-    return path
+    )
 
 
 def test_a_worker_group_keeps_its_ranks_identical_through_installs(tmp_path: Path) -> None:
     (tmp_path / "ddp_group_probe.py").write_text(textwrap.dedent(PROBE))
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
-        "PROBE_DIR": str(tmp_path),
-        "OMP_NUM_THREADS": "1",
-    }
-    master = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "speedtronic",
-            "train",
-            "-c",
-            str(config(tmp_path, "m", "master", 100_000)),
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+    master = Node(tmp_path, config(tmp_path, "m", 100_000), "master", "m")
+    worker = with_plugin(
+        Node(tmp_path, config(tmp_path, "w", 12), "worker", "w"),
+        "ddp_group_probe",
+        tmp_path,
+        PROBE_DIR=str(tmp_path),
     )
+    worker.extra_args += ["--nproc-per-node", "2"]
     try:
-        worker_config = config(tmp_path, "w", "worker", 12)
-        worker = subprocess.run(
-            [
-                *(sys.executable, "-m", "speedtronic", "train", "-c", str(worker_config)),
-                *("--plugin", "ddp_group_probe", "--nproc-per-node", "2"),
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=WAIT,
-        )
-        assert worker.returncode == 0, worker.stdout[-2000:] + worker.stderr[-4000:]
+        master.start()
+        worker.start()
+        wait_until(lambda: not worker.alive(), [master], "the worker group's run", timeout=WAIT)
+        assert worker.wait() == 0, worker.tail()
     finally:
-        os.killpg(master.pid, signal.SIGTERM)
-        try:
-            master.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(master.pid, signal.SIGKILL)
-            master.wait(timeout=60)
+        kill_all([master, worker])
     hashes = [
         [json.loads(line) for line in (tmp_path / f"hashes_rank{r}.jsonl").read_text().splitlines()]
         for r in (0, 1)
@@ -148,9 +105,7 @@ def test_a_worker_group_keeps_its_ranks_identical_through_installs(tmp_path: Pat
     assert [h["step"] for h in hashes[0]] == list(range(1, 13)) == [h["step"] for h in hashes[1]]
     diverged = [a["step"] for a, b in zip(*hashes) if a["sha"] != b["sha"]]
     assert not diverged, diverged  # never diverged
-    events = [
-        json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()
-    ]
+    events = worker.events()
     names = {e["event"] for e in events}
     assert "delta_uploaded" in names or "delta_upload_dispatched" in names
     installed = [e for e in events if e["event"] in ("global_loaded", "global_installed")]

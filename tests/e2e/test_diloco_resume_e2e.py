@@ -7,23 +7,22 @@ happens, the deltas in the store must add up to exactly how far its weights move
 weights minus final weights. Before the fix, the resumed node sent the landed delta's progress
 a second time (the reproduced double count); a failed upload must be sent again, once.
 
-The test-only plugin (``diloco_e2e_plugin``) holds the chosen upload back for a few seconds
-and slows every step, so the checkpoint surely precedes the landing; every wait is a bounded
-poll on a condition.
+The test-only plugin (``diloco_e2e_plugin``) holds the chosen upload back until the checkpoint
+of a later boundary exists, so the checkpoint surely precedes the landing, and holds every later
+upload, so the node surely dies before one lands, however fast or slow it trains; every wait is
+a bounded poll on a condition.
 """
 
 from __future__ import annotations
 
 import signal
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
+from diloco_nodes import MODEL, Node, kill_all, wait_all, wait_until, with_plugin, write_config
 from safetensors.torch import load_file
-from test_diloco_multiprocess import MODEL, WAIT, Node
-from test_diloco_rounds_e2e import with_plugin
 
 from speedtronic.checkpoint import CheckpointManager
 from speedtronic_models import ReferenceTransformer
@@ -33,31 +32,23 @@ pytestmark = pytest.mark.slow
 INNER = 5
 STEPS = 40
 HELD = 10  # the local step whose upload is in flight across checkpoints
-STEP_SLEEP = "0.2"  # a boundary every second: time to kill before the next upload
+STEP_SLEEP = "0.2"  # a boundary every second: time to kill long before the run's end
 
 
 def config(tmp_path: Path) -> Path:
-    data = {
-        "run": {"name": "resume-e2e", "seed": 0, "device": "cpu", "max_steps": STEPS},
-        "model": {"name": "reference_transformer", **MODEL},
-        "data": {"micro_batch_size": 8},
-        "optimizer": {"lr": 3.0e-3, "weight_decay": 0.0},
-        "scheduler": {"name": "constant"},
-        "precision": {"mode": "fp32"},
-        "checkpoint": {"interval": INNER, "keep_last": 3},  # checkpoints at every boundary
-        "logging": {"log_every": 5, "progress": False},
-        "distributed": {
-            "enabled": True,
-            "repo_id": f"file://{tmp_path / 'shared'}",
+    return write_config(
+        tmp_path,
+        "resume.yaml",
+        run={"name": "resume-e2e", "max_steps": STEPS},
+        checkpoint={"interval": INNER, "keep_last": 3},  # checkpoints at every boundary
+        logging={"log_every": 5},
+        distributed={
             "inner_steps": INNER,
             "poll_interval": 0.5,
             "max_retries": 0,
             "retry_backoff": 0.0,
         },
-    }
-    path = tmp_path / "resume.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+    )
 
 
 def initial_weights() -> dict[str, torch.Tensor]:
@@ -72,14 +63,22 @@ def stored_deltas(shared: Path) -> dict[int, dict[str, torch.Tensor]]:
     }
 
 
-def kill_when(node: Node, condition, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + WAIT
-    while not condition():
-        if not node.alive():
-            pytest.fail(f"the node exited before {what}:\n{node.tail()}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}:\n{node.tail()}")
-        time.sleep(0.01)
+def hold_upload(node: Node, **env: str) -> None:
+    """The upload of step HELD (``env`` chooses how it ends) waits for the checkpoint of the
+    next boundary; every later upload is held back (until the node is killed)."""
+    after = node.output / "checkpoints" / f"step_{HELD + INNER:08d}"
+    with_plugin(
+        node,
+        DILOCO_E2E_STEP_SLEEP=STEP_SLEEP,
+        DILOCO_E2E_UPLOAD_AFTER=str(after),
+        DILOCO_E2E_HOLD_LATER="1",
+        **env,
+    )
+
+
+def kill_when(node: Node, condition: Callable[[], bool], what: str) -> None:
+    """SIGKILL ``node`` as soon as ``condition`` holds (polled often: the moment matters)."""
+    wait_until(condition, [node], what, poll=0.01)
     node.signal(signal.SIGKILL)
     node.wait()
 
@@ -89,9 +88,10 @@ def finish_resumed(node: Node) -> None:
         **node.extra_env,
         "DILOCO_E2E_UPLOAD_STEP": "",
         "DILOCO_E2E_FAIL_UPLOAD_STEP": "",
+        "DILOCO_E2E_HOLD_LATER": "",
     }
     node.start(resume=True)
-    assert node.wait(WAIT) == 0, node.tail()
+    wait_all([node])
 
 
 def assert_deltas_add_up(tmp_path: Path, node: Node) -> None:
@@ -109,12 +109,7 @@ def assert_deltas_add_up(tmp_path: Path, node: Node) -> None:
 
 def test_a_delta_that_landed_after_the_checkpoint_is_not_sent_twice(tmp_path: Path) -> None:
     node = Node(tmp_path, config(tmp_path), "worker", "w")
-    with_plugin(
-        node,
-        DILOCO_E2E_STEP_SLEEP=STEP_SLEEP,
-        DILOCO_E2E_UPLOAD_STEP=str(HELD),
-        DILOCO_E2E_UPLOAD_DELAY="3",
-    )
+    hold_upload(node, DILOCO_E2E_UPLOAD_STEP=str(HELD))
     node.start()
     shared = tmp_path / "shared"
     try:
@@ -128,21 +123,14 @@ def test_a_delta_that_landed_after_the_checkpoint_is_not_sent_twice(tmp_path: Pa
         assert CheckpointManager(node.output / "checkpoints").load_latest().step > HELD
         finish_resumed(node)
     finally:
-        if node.alive():
-            node.process.kill()
-            node.process.wait(30)
+        kill_all([node])
     assert "arrived; measuring from its target" in node.log.read_text()
     assert_deltas_add_up(tmp_path, node)
 
 
 def test_a_failed_upload_in_flight_at_the_checkpoint_is_sent_again(tmp_path: Path) -> None:
     node = Node(tmp_path, config(tmp_path), "worker", "w")
-    with_plugin(
-        node,
-        DILOCO_E2E_STEP_SLEEP=STEP_SLEEP,
-        DILOCO_E2E_FAIL_UPLOAD_STEP=str(HELD),
-        DILOCO_E2E_UPLOAD_DELAY="3",
-    )
+    hold_upload(node, DILOCO_E2E_FAIL_UPLOAD_STEP=str(HELD))
     node.start()
     try:
         kill_when(
@@ -153,8 +141,6 @@ def test_a_failed_upload_in_flight_at_the_checkpoint_is_sent_again(tmp_path: Pat
         assert set(stored_deltas(tmp_path / "shared")) == {INNER}
         finish_resumed(node)
     finally:
-        if node.alive():
-            node.process.kill()
-            node.process.wait(30)
+        kill_all([node])
     assert "did not arrive" in node.log.read_text()
     assert_deltas_add_up(tmp_path, node)

@@ -18,10 +18,18 @@ from typing import Any
 
 import pytest
 import torch
-import yaml
+from diloco_nodes import (
+    WAIT,
+    Node,
+    eval_loss,
+    included,
+    master_and_workers,
+    run_together,
+    store_metadata,
+    with_plugin,
+    write_config,
+)
 from safetensors.torch import load_file
-from test_diloco_multiprocess import MODEL, WAIT, Node, eval_loss, store_metadata
-from test_diloco_rounds_e2e import start_together, with_plugin
 
 from speedtronic_diloco.signing import sign_file
 from speedtronic_diloco.tensors import save_tensors
@@ -34,61 +42,36 @@ INNER = 5
 
 
 def config(tmp_path: Path) -> Path:
-    data = {
-        "run": {"name": "robust-e2e", "seed": 0, "device": "cpu", "max_steps": STEPS},
-        "model": {"name": "reference_transformer", **MODEL},
-        "data": {"micro_batch_size": 8},
-        "optimizer": {"lr": 3.0e-3, "weight_decay": 0.0},
-        "scheduler": {"name": "constant"},
-        "precision": {"mode": "fp32"},
-        "checkpoint": {"interval": 20, "keep_last": 1},
-        "logging": {"log_every": 10, "progress": False},
-        "distributed": {
-            "enabled": True,
-            "repo_id": f"file://{tmp_path / 'shared'}",
-            "inner_steps": INNER,
-            "poll_interval": 0.2,
-            "outer_lr": 0.7,
-            "outer_momentum": 0.5,
-            "min_deltas": 2,
-            "round_timeout": WAIT / 4,
-            "retry_backoff": 0.1,
-        },
-    }
-    path = tmp_path / "robust.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+    return write_config(
+        tmp_path,
+        "robust.yaml",
+        run={"name": "robust-e2e", "max_steps": STEPS},
+        checkpoint={"interval": 20, "keep_last": 1},
+        distributed={"inner_steps": INNER, "min_deltas": 2, "round_timeout": WAIT / 4},
+    )
 
 
 def run(tmp_path: Path, plant: Any = None) -> tuple[float, Node]:
     """Master + two honest workers to the end; ``plant(shared, stop)`` runs meanwhile.
     Returns the held-out loss of the final global and the master."""
-    path = config(tmp_path)
-    master = Node(tmp_path, path, "master", "master")
-    nodes = [master, *(Node(tmp_path, path, "worker", f"w{i}") for i in (1, 2))]
+    nodes = master_and_workers(tmp_path, config(tmp_path))
     for node in nodes:
         node.extra_env = {"SPEEDTRONIC_DILOCO_KEY": KEY}
         with_plugin(node, DILOCO_E2E_STEP_SLEEP="0.05")
     stop = threading.Event()
     planter = None
+    if plant is not None:  # it plants for every new global, once the nodes have trained
+        planter = threading.Thread(target=plant, args=(tmp_path / "shared", stop))
+        planter.start()
     try:
-        start_together(nodes, tmp_path / "barrier")
-        if plant is not None:
-            planter = threading.Thread(target=plant, args=(tmp_path / "shared", stop))
-            planter.start()
-        for node in nodes:
-            assert node.wait(WAIT) == 0, node.tail()
+        run_together(nodes, tmp_path / "barrier")
     finally:
         stop.set()
         if planter is not None:
             planter.join(WAIT)
-        for node in nodes:
-            if node.alive():
-                node.process.kill()
-                node.process.wait(30)
     meta = store_metadata(tmp_path / "shared")
     assert meta is not None
-    return eval_loss(load_file(tmp_path / "shared" / meta["model_file"])), master
+    return eval_loss(load_file(tmp_path / "shared" / meta["model_file"])), nodes[0]
 
 
 @pytest.fixture(scope="module")
@@ -149,10 +132,8 @@ def test_a_hostile_writer_cannot_wreck_the_global(tmp_path: Path, honest_loss: f
     assert ("evil", "norm_outlier") in reasons, master.tail()
     assert ("unsigned", "unsigned") in reasons
     assert ("tampered", "bad_signature") in reasons
-    included = {
-        item.split("@")[0] for e in master.events("outer_step") for item in e["included"].split(",")
-    }
-    assert included == {"master", "w1", "w2"}
+    aggregated = {node for e in master.events("outer_step") for node, _ in included(e)}
+    assert aggregated == {"master", "w1", "w2"}
     assert "rejected delta nodes/evil/" in master.log.read_text()
 
     # The key is in no file any process wrote: logs, metrics, checkpoints, state, the store.

@@ -14,15 +14,21 @@ from __future__ import annotations
 
 import hashlib
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from diloco_nodes import (
+    Node,
+    included,
+    kill_all,
+    speedtronic,
+    stop_all,
+    wait_until,
+    write_config,
+)
 from hub_emulator import HubEmulator
-from test_diloco_multiprocess import Node, wait_until, write_config
 
 from speedtronic_diloco.transports import GLOBAL_METADATA, GlobalMetadata
 
@@ -37,11 +43,15 @@ def hub_config(tmp_path: Path, name: str, **distributed: Any) -> Path:
     return write_config(
         tmp_path,
         name,
-        run_name="diloco-hub-e2e",
-        repo_id=REPO,
-        max_retries=4,
-        request_timeout=10.0,
-        **distributed,
+        run={"name": "diloco-hub-e2e"},
+        checkpoint={"interval": 10, "keep_last": 2},
+        distributed={
+            "repo_id": REPO,
+            "poll_interval": 0.3,
+            "max_retries": 4,
+            "request_timeout": 10.0,
+            **distributed,
+        },
     )
 
 
@@ -112,20 +122,13 @@ def test_master_and_two_workers_through_the_hub(hub: HubEmulator, tmp_path: Path
             lambda: master.events("outer_step"), nodes, "a round of the restarted master"
         )[0]
         assert first["outer_step"] > at_kill.outer_step, master.tail()
-        included = {(n, int(s)) for n, s in (i.split("@") for i in first["included"].split(","))}
-        assert not included & counted, "deltas were aggregated twice"
+        assert not set(included(first)) & counted, "deltas were aggregated twice"
         assert {record.authorization for record in hub.requests} == {f"Bearer {TOKEN}"}
         assert not [r for r in hub.requests if r.status == 401]
 
-        for node in nodes:
-            node.signal(signal.SIGINT)
-        for node in nodes:
-            node.wait()
+        stop_all(nodes)
     finally:
-        for node in nodes:
-            if node.alive():
-                node.process.kill()  # type: ignore[union-attr]
-                node.process.wait(30)  # type: ignore[union-attr]
+        kill_all(nodes)
 
     # Every commit pairs its metadata with the weights it describes.
     for sha in hub.history(REPO):
@@ -149,21 +152,6 @@ def test_master_and_two_workers_through_the_hub(hub: HubEmulator, tmp_path: Path
             assert TOKEN.encode() not in path.read_bytes(), f"token leaked into {path}"
     assert scanned > 10
     for fmt in ("yaml", "json"):
-        shown = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "speedtronic",
-                "validate",
-                "--config",
-                str(w2_config),
-                "--format",
-                fmt,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=True,
-        )
+        shown = speedtronic("validate", "--config", str(w2_config), "--format", fmt)
         assert TOKEN not in shown.stdout + shown.stderr
         assert "<redacted>" in shown.stdout
