@@ -472,6 +472,12 @@ def held_out_loss(state: dict[str, torch.Tensor] | None) -> float:
         return float(model(**batch.batch(0))["loss"])
 
 
+def weights_of_model() -> dict[str, torch.Tensor]:
+    from speedtronic_models import ReferenceTransformer
+
+    return ReferenceTransformer.from_params(MODEL).state_dict()
+
+
 @pytest.mark.slow
 def test_master_and_two_workers_with_int8_and_two_fragments_improve(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
@@ -543,6 +549,9 @@ def test_master_and_two_workers_with_int8_and_two_fragments_improve(tmp_path: Pa
     meta = json.loads((shared / "global" / "step_count.json").read_text())
     fragments = meta["extra"]["fragments"]
     assert fragments["count"] == 2 and min(fragments["steps"]) >= 1
-    trained = load_tensors(shared / meta["model_file"])[0]
+    trained: dict[str, torch.Tensor] = {}  # the global: every fragment's file
+    for entry in meta["fragment_files"]:
+        trained.update(load_tensors(shared / entry["file"])[0])
+    assert set(trained) == set(weights_of_model())
     initial, final = held_out_loss(None), held_out_loss(trained)
     assert final < initial - 0.3, (initial, final)
