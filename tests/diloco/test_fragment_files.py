@@ -330,6 +330,10 @@ def test_a_hostile_fragment_file_is_refused_with_its_name(
     assert file in caplog.text
     assert_model_is(worker.model, before)
     assert worker.last_global_step == 0
+    received = worker.bytes_received
+    step(worker, 2)  # the same refused file: neither fetched nor reported again
+    assert len([e for e, _ in events if e == "global_refused"]) == len(refused)
+    assert worker.bytes_received == received
     worker.stop()
 
 

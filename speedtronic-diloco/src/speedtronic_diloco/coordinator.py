@@ -208,6 +208,7 @@ class DumbDiLoCoCoordinator:
         self._global_info: dict[int, Any] = {}  # outer step -> fragment info of that global
         self._received: dict[int, int] = {}  # outer step -> bytes of its downloaded global
         self._fragment_caches: dict[int, GlobalCache] = {}  # fragment -> its files' cache
+        self._refused: dict[tuple[str, str], None] = {}  # (file, sha256) refused: not again
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -680,7 +681,10 @@ class DumbDiLoCoCoordinator:
         """The tensors of the fragment files this node needs from a global published as
         fragment files: every fragment with ``complete``, for a node without fragments (it
         installs the whole global) or the first time; else those whose version advanced.
-        None (logged, ``global_refused`` emitted) when a file is refused or not fetched."""
+        None (logged, ``global_refused`` emitted once per file) when a file is refused or not
+        fetched."""
+        if (metadata.model_file, metadata.sha256) in self._refused:
+            return None
         count = len(metadata.fragment_files)
         if self._fragments is not None:
             layout = self._fragments.layout
@@ -721,12 +725,14 @@ class DumbDiLoCoCoordinator:
         """Fragment ``j``'s tensors: from its cache or the store, bounded, then checked."""
         view = metadata.fragment_view(j)
         where = view.model_file
+        if (where, view.sha256) in self._refused:
+            return None
         limit = size_limit(layout, j, self._baseline)
         if view.size > limit:
             problem = (
                 f"{where}: {view.size} bytes listed, more than fragment {j} can take ({limit})"
             )
-            return self._refuse_global(metadata, FragmentFileError(problem))
+            return self._refuse_global(view, FragmentFileError(problem), metadata.outer_step)
 
         def download(dest: Path) -> bool:
             done, _ = self._retry.attempt(
@@ -755,7 +761,7 @@ class DumbDiLoCoCoordinator:
             problem = (
                 exc if isinstance(exc, FragmentFileError) else FragmentFileError(f"{where}: {exc}")
             )
-            return self._refuse_global(metadata, problem)
+            return self._refuse_global(view, problem, metadata.outer_step)
         return tensors
 
     def _fragment_cache(self, j: int) -> GlobalCache:
@@ -765,19 +771,19 @@ class DumbDiLoCoCoordinator:
             cache = self._fragment_caches[j] = GlobalCache(directory, keep=self.config.cache_keep)
         return cache
 
-    def _refuse_global(self, metadata: GlobalMetadata, exc: FragmentFileError) -> None:
-        log.error(
-            "!!! refusing global outer step %d: %s; keeping the current weights",
-            metadata.outer_step,
-            exc,
-        )
+    def _refuse_global(
+        self, refused: GlobalMetadata, exc: FragmentFileError, outer_step: int | None = None
+    ) -> None:
+        """Log and emit ``global_refused`` for the file ``refused`` names (the metadata's own
+        ``model_file`` for a refused metadata), and never fetch that file again."""
+        if len(self._refused) >= 64:
+            self._refused.pop(next(iter(self._refused)))
+        self._refused[(refused.model_file, refused.sha256)] = None
+        step = refused.outer_step if outer_step is None else outer_step
+        log.error("!!! refusing global outer step %d: %s; keeping the current weights", step, exc)
         self._queue_event(
             "global_refused",
-            {
-                "outer_step": metadata.outer_step,
-                "reason": "fragment_file",
-                "message": str(exc)[:200],
-            },
+            {"outer_step": step, "reason": "fragment_file", "message": str(exc)[:200]},
         )
 
     def _install_ready(self) -> bool:

@@ -308,7 +308,10 @@ class MasterOuterLoop:
             }
             meta.update(self._robust_state_meta())
             if self.fragment_steps:
-                state = {"steps": self.fragment_steps, "versions": self.fragment_versions}
+                state: dict[str, Any] = {
+                    "steps": self.fragment_steps,
+                    "versions": self.fragment_versions,
+                }
                 if any(entry is not None for entry in self.fragment_files):
                     state["files"] = _files_to_json(self.fragment_files)
                 meta["fragment_state"] = json.dumps(state)
@@ -1391,8 +1394,10 @@ def roll_back(state_dir: str | Path, to_step: int) -> int:
     """Make the master state in ``state_dir`` continue from the global and momentum of outer
     step ``to_step`` (a kept history entry, or the current step), as a *new* outer step (the
     current one + 1, so every node installs it); the ledger is kept (deltas processed since are
-    not aggregated again) and a halt is cleared. The master must not be running. Returns the new
-    outer step; the restarted master publishes it."""
+    not aggregated again) and a halt is cleared; with streaming fragments every fragment's
+    version becomes the new outer step, so every fragment file is published again and every
+    node installs all of it. The master must not be running. Returns the new outer step; the
+    restarted master publishes it."""
     state_dir = Path(state_dir)
     path = state_dir / STATE_FILE
     try:
