@@ -7,6 +7,7 @@ emulator."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from pathlib import Path
@@ -29,7 +30,13 @@ from speedtronic_diloco.outer import MasterOuterLoop, roll_back
 from speedtronic_diloco.signing import sign_file
 from speedtronic_diloco.status import collect_status, summary_lines
 from speedtronic_diloco.tensors import cpu_state_dict, load_tensors, save_tensors
-from speedtronic_diloco.transports import GLOBAL_METADATA, SharedDirectoryTransport, Transport
+from speedtronic_diloco.transports import (
+    GLOBAL_METADATA,
+    GlobalMetadata,
+    PermanentTransportError,
+    SharedDirectoryTransport,
+    Transport,
+)
 from speedtronic_diloco.transports.shared_dir import KEEP_VERSIONS
 
 K = 4
@@ -232,6 +239,27 @@ def test_a_node_downloads_only_the_fragment_that_moved(tmp_path: Path) -> None:
     worker.stop()
 
 
+def test_a_resumed_node_with_an_empty_cache_downloads_only_what_advanced(tmp_path: Path) -> None:
+    store = shared(tmp_path)
+    loop = master_loop(store, tmp_path)
+    loop.publish()
+    first, _ = node(store, tmp_path)
+    first.start()
+    state = first.state_dict()
+    first.stop()
+    fragment_round(store, loop, tmp_path, 2, 1)
+    resumed, events = node(store, tmp_path, cache_dir=str(tmp_path / "other-cache"))
+    resumed.load_state_dict(state)  # its installed fragment versions, no cached file
+    resumed.start()
+    step(resumed, 1)
+    size = metadata_json(tmp_path)["fragment_files"][2]["size"]
+    assert [e["bytes_received"] for e in loaded(events)] == [size]
+    assert resumed.bytes_received == size
+    for name in LAYOUT.fragments[2]:
+        assert torch.equal(resumed.model.state_dict()[name], loop.global_state[name])
+    resumed.stop()
+
+
 def test_a_node_installs_a_fragment_without_touching_the_others_progress(
     tmp_path: Path,
 ) -> None:
@@ -258,8 +286,6 @@ def test_a_node_installs_a_fragment_without_touching_the_others_progress(
 def forged_global(tmp_path: Path, j: int, file: str, data: bytes, outer_step: int) -> None:
     """Point the store's metadata at ``file`` (``data``) as fragment ``j``'s file of a newer
     global, with a matching sha256 and size: what a hostile writer can do without the key."""
-    import hashlib
-
     (tmp_path / "store" / file).write_bytes(data)
     meta = metadata_json(tmp_path)
     meta["outer_step"] = outer_step
@@ -546,3 +572,50 @@ def test_hub_fragment_round_is_one_commit_of_that_file_and_the_metadata(
     fresh.start()
     assert_model_is(fresh.model, loop.global_state)
     fresh.stop()
+
+
+def test_hub_tampered_fragment_file_is_refused_with_its_name(
+    hub: HubEmulator, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = transport(hub)
+    store.create_store()
+    loop = master_loop(store, tmp_path)
+    assert loop.publish() is not None
+    hub.tamper(REPO, "global/fragment_2.safetensors", b"not the published bytes")
+    fresh, events = node(store, tmp_path, name="fresh", repo_id=REPO)
+    with caplog.at_level(logging.WARNING, "speedtronic.diloco"):
+        fresh.start()
+    assert "global/fragment_2.safetensors" in caplog.text
+    assert loaded(events) == [] and fresh.last_global_step == -1
+    fresh.stop()
+
+
+# --------------------------------------------------------------------------- metadata
+@pytest.mark.parametrize(
+    ("entry", "why"),
+    [
+        ({"file": "../secret.safetensors"}, "fragment_files[1]: file"),
+        ({"file": "nodes/a/delta_1.safetensors"}, "fragment_files[1]: file"),
+        ({"sha256": "XYZ"}, "fragment_files[1]: sha256"),
+        ({"size": -1}, "fragment_files[1]: size"),
+        ({"size": True}, "fragment_files[1]: size"),
+        ({"outer_step": "3"}, "fragment_files[1]: outer_step"),
+    ],
+)
+def test_malformed_fragment_files_are_refused_naming_the_field(
+    entry: dict[str, Any], why: str
+) -> None:
+    good = {"file": "global/fragment0-v1.safetensors", "sha256": "a" * 64, "size": 1}
+    document = {
+        "outer_step": 1,
+        "sha256": "a" * 64,
+        "size": 1,
+        "fragment_files": [{**good, "outer_step": 1}, {**good, "outer_step": 1, **entry}],
+    }
+    with pytest.raises(
+        PermanentTransportError, match=f"step_count.json: {why}".replace("[", r"\[")
+    ):
+        GlobalMetadata.from_json(document)
+    too_many = {**document, "fragment_files": [{**good, "outer_step": 1}] * 1025}
+    with pytest.raises(PermanentTransportError, match="at most 1024"):
+        GlobalMetadata.from_json(too_many)

@@ -14,7 +14,8 @@ changes), stored in the global codec (``global_compression``), with ``kind: glob
 key is set.
 
 **Every store file is hostile.** Before a download the size the metadata lists is bounded by
-what the fragment's tensors can take (:func:`size_limit`); after it the transport has checked
+what the fragment's tensors can take at 8 bytes per element, plus a header allowance
+(:func:`size_limit`); after it the transport has checked
 size and sha256, and :func:`check_fragment_file` checks the header (kind, fragment, layout,
 outer step), the signature (with a key), and the tensors: exactly the fragment's names, each
 with the local shape, a floating dtype for floating tensors, finite values. Each failure is a
@@ -108,10 +109,11 @@ def check_fragment_index(
 
 
 def size_limit(layout: FragmentLayout, index: int, local: Mapping[str, torch.Tensor]) -> int:
-    """The most bytes fragment ``index``'s file may take: its tensors at the local dtypes (a
-    bf16 file is smaller), plus the header allowance."""
+    """The most bytes fragment ``index``'s file may take: its tensors at 8 bytes per element
+    (or their own element size when larger: a master may keep float32 weights for a bf16
+    node), plus the header allowance."""
     tensors = fragment_tensors(local, layout, index)
-    payload = sum(t.numel() * t.element_size() for t in tensors.values())
+    payload = sum(t.numel() * max(t.element_size(), 8) for t in tensors.values())
     return payload + HEADER_ALLOWANCE + HEADER_PER_TENSOR * len(tensors)
 
 
