@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,10 @@ from speedtronic_diloco.status import collect_status, summary_lines
 from speedtronic_diloco.tensors import cpu_state_dict, load_tensors, save_tensors
 from speedtronic_diloco.transports import (
     GLOBAL_METADATA,
+    FragmentFile,
     GlobalMetadata,
+    Lease,
+    LeaseLostError,
     PermanentTransportError,
     SharedDirectoryTransport,
     Transport,
@@ -619,3 +624,31 @@ def test_malformed_fragment_files_are_refused_naming_the_field(
     too_many = {**document, "fragment_files": [{**good, "outer_step": 1}] * 1025}
     with pytest.raises(PermanentTransportError, match="at most 1024"):
         GlobalMetadata.from_json(too_many)
+
+
+# --------------------------------------------------------------------------- the lease
+@pytest.mark.parametrize("kind", ["shared", "hub"])
+def test_a_fragment_publication_is_fenced_by_the_lease(
+    hub: HubEmulator, tmp_path: Path, kind: str
+) -> None:
+    store: Transport = shared(tmp_path) if kind == "shared" else transport(hub)
+    store.create_store()
+    loop = master_loop(store, tmp_path)
+    first = loop.publish()
+    assert first is not None
+    before = store.read_global_metadata()
+    store.write_lease(Lease("another-master", 2, time.time() + 60.0), None)
+    path = save_tensors(
+        tmp_path / "f1.safetensors",
+        LAYOUT.select(weights(), [1]),
+        fragment_header(1, 1, LAYOUT, "m"),
+    )
+    entry = FragmentFile("", hashlib.sha256(path.read_bytes()).hexdigest(), path.stat().st_size, 1)
+    entries = list(first.fragment_files)
+    entries[1] = entry
+    fenced = replace(first, outer_step=1, lease_epoch=1, master="m", fragment_files=tuple(entries))
+    with pytest.raises(LeaseLostError, match="another-master"):
+        store.publish_fragments({1: path}, fenced)
+    after = store.read_global_metadata()
+    assert after is not None and before is not None
+    assert after.fragment_files == before.fragment_files and after.outer_step == 0
