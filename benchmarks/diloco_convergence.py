@@ -9,7 +9,8 @@ baseline reads (rank-split streams), so both see the same samples. For every con
 table gives the held-out loss of the published global divided by the baseline's, the payload
 bytes each worker moved through the store (deltas up, globals down) against what a ring
 all-reduce of the float32 gradient at every step sends per node, and the largest single upload
-and download (peak bytes in flight at one sync).
+and the largest download at one sync (with fragments, the files of one global version), the
+first install of the initial global excepted (peak bytes in flight at one sync).
 
 Two data sets: the synthetic token stream, and real text: the Python standard library's own
 sources on this machine, read as bytes (vocabulary 256; a held-out 2% of the blocks scores the
@@ -92,18 +93,27 @@ class Setting:
 
 
 class CountingTransport(Transport):
-    """Wraps a transport and counts the payload bytes one node moves, and its largest single
-    upload and download. Metadata is counted once per new global version (a real node polls
-    on a timer; this benchmark polls every step, which would otherwise dominate)."""
+    """Wraps a transport and counts the payload bytes one node moves, its largest single
+    upload and its largest download of one global version (all of its fragment files). Metadata
+    is counted once per new global version (a real node polls on a timer; this benchmark polls
+    every step, which would otherwise dominate)."""
 
     def __init__(self, inner: Transport) -> None:
         self.inner = inner
         self.description = inner.description
+        self.supports_fragment_files = inner.supports_fragment_files
         self.sent = 0
         self.received = 0
         self.peak_up = 0
-        self.peak_down = 0
+        self.downloads: list[int] = []  # bytes downloaded per global version read
         self._seen = -1
+
+    @property
+    def peak_down(self) -> int:
+        """The largest download of one global version, the first install excepted (a fresh
+        node downloads the whole initial global once, fragments or not)."""
+        later = self.downloads[1:] or self.downloads
+        return max(later, default=0)
 
     def create_store(self, *, private: bool = True) -> None:
         self.inner.create_store(private=private)
@@ -113,18 +123,25 @@ class CountingTransport(Transport):
         if meta is not None and meta.outer_step != self._seen:
             self._seen = meta.outer_step
             self.received += len(meta.dumps())
+            self.downloads.append(0)
         return meta
 
     def download_global(self, metadata: GlobalMetadata, dest: Path) -> Path:
         path = self.inner.download_global(metadata, dest)
         size = path.stat().st_size
         self.received += size
-        self.peak_down = max(self.peak_down, size)
+        if not self.downloads:
+            self.downloads.append(0)
+        self.downloads[-1] += size
         return path
 
     def publish_global(self, weights: Path, metadata: GlobalMetadata) -> GlobalMetadata:
         self.sent += weights.stat().st_size + len(metadata.dumps())
         return self.inner.publish_global(weights, metadata)
+
+    def publish_fragments(self, files: Any, metadata: GlobalMetadata) -> GlobalMetadata:
+        self.sent += sum(Path(p).stat().st_size for p in files.values()) + len(metadata.dumps())
+        return self.inner.publish_fragments(files, metadata)
 
     def upload_delta(self, node_id: str, local_step: int, source: Path) -> None:
         size = source.stat().st_size

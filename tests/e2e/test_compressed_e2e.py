@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from diloco_nodes import (
     MODEL,
     WAIT,
@@ -26,6 +27,7 @@ from diloco_nodes import (
 )
 
 from speedtronic_diloco.tensors import load_tensors
+from speedtronic_models import ReferenceTransformer
 
 pytestmark = pytest.mark.slow
 
@@ -66,6 +68,9 @@ def test_master_and_two_workers_with_int8_and_two_fragments_improve(tmp_path: Pa
     assert meta is not None
     fragments = meta["extra"]["fragments"]
     assert fragments["count"] == 2 and min(fragments["steps"]) >= 1
-    trained = load_tensors(shared / meta["model_file"])[0]
+    trained: dict[str, torch.Tensor] = {}  # the global: every fragment's own file
+    for entry in meta["fragment_files"]:
+        trained.update(load_tensors(shared / entry["file"])[0])
+    assert set(trained) == set(ReferenceTransformer.from_params(PARAMS).state_dict())
     initial, final = eval_loss(None, PARAMS), eval_loss(trained, PARAMS)
     assert final < initial - IMPROVEMENT, (initial, final)

@@ -4,7 +4,9 @@ cache directory to its newest files.
 Globals are cached one file per published version, named by outer step and sha256
 (``outer_<step>-<sha12>.safetensors``), checked against the metadata's sha256 before each use:
 a corrupt entry is deleted and downloaded again. Only the newest ``keep`` versions are kept
-(``distributed.cache_keep``).
+(``distributed.cache_keep``). With streaming fragments published as files of their own, each
+fragment has a cache of its own (``global/fragment_<j>/``, named by the fragment's version and
+sha256, ``cache_keep`` files each), so a node keeps every fragment's current file.
 
 **An outer step is only believed when the weights confirm it.** The master writes the outer
 step into the safetensors header of every global it publishes. Metadata that claims another

@@ -7,7 +7,10 @@ training thread only copies tensors; global weights are installed by the trainin
 its next callback, never by a lane. The master also runs the outer loop
 (:class:`~speedtronic_diloco.outer.MasterOuterLoop`) in a thread of its own; which state it
 continues from at startup is decided in :mod:`speedtronic_diloco.startup`. Downloaded globals
-are kept per version in a :class:`~speedtronic_diloco.cache.GlobalCache`.
+are kept per version in a :class:`~speedtronic_diloco.cache.GlobalCache`. With streaming
+fragments published as files of their own, a node downloads only the files of the fragments it
+will install (their version advanced; all of them the first time), each checked as
+:mod:`speedtronic_diloco.fragment_files` says, and caches them per fragment.
 
 The baseline (the weights the next delta is measured from) advances only after a successful
 upload, to the exact snapshot that was uploaded, and only if no global was installed in the
@@ -61,6 +64,12 @@ from speedtronic_diloco.codecs import (
     restore_dtypes,
 )
 from speedtronic_diloco.config import DistributedConfig, distributed_config, resolve_state_dir
+from speedtronic_diloco.fragment_files import (
+    FragmentFileError,
+    check_fragment_file,
+    check_fragment_index,
+    size_limit,
+)
 from speedtronic_diloco.fragments import (
     FragmentLayout,
     FragmentSchedule,
@@ -72,7 +81,13 @@ from speedtronic_diloco.identity import resolve_node_id
 from speedtronic_diloco.lanes import Lane
 from speedtronic_diloco.outer import MasterOuterLoop
 from speedtronic_diloco.retry import RetryPolicy
-from speedtronic_diloco.signing import SignatureError, resolve_key, sign_file, verify_file
+from speedtronic_diloco.signing import (
+    SignatureError,
+    read_header,
+    resolve_key,
+    sign_file,
+    verify_file,
+)
 from speedtronic_diloco.startup import prepare_master
 from speedtronic_diloco.tensors import (
     StateMismatchError,
@@ -195,6 +210,8 @@ class DumbDiLoCoCoordinator:
         self._due: tuple[int, ...] = ()  # the fragments that sync at the current step
         self._global_info: dict[int, Any] = {}  # outer step -> fragment info of that global
         self._received: dict[int, int] = {}  # outer step -> bytes of its downloaded global
+        self._fragment_caches: dict[int, GlobalCache] = {}  # fragment -> its files' cache
+        self._refused: dict[tuple[str, str], None] = {}  # (file, sha256) refused: not again
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -281,11 +298,12 @@ class DumbDiLoCoCoordinator:
             retry=self._retry,
             stop=self._stop,
             emit=self._queue_event,
-            fetch_global=self._fetch_global,
+            fetch_global=lambda metadata: self._fetch_global(metadata, complete=True),
             current_weights=lambda: cpu_state_dict(self.model.state_dict()),
             checkpointed=self._prepared_outer,
             signing_key=self._key,
             evaluate=self._evaluate,
+            fragments=self._fragments.layout if self._fragments else None,
         )
         self.outer.global_compression = self.config.global_compression
         self.outer.set_fragments(self._fragments.layout if self._fragments else None)
@@ -632,8 +650,11 @@ class DumbDiLoCoCoordinator:
                 self._ready = (metadata.outer_step, tensors)
         return metadata.outer_step, tensors
 
-    def _fetch_global(self, metadata: GlobalMetadata) -> TensorDict | None:
-        """The weights ``metadata`` describes, from the per-version cache or the store."""
+    def _fetch_global(self, metadata: GlobalMetadata, complete: bool = False) -> TensorDict | None:
+        """The weights ``metadata`` describes, from the per-version cache or the store. With
+        fragment files, only the fragments this node will install (all with ``complete``)."""
+        if metadata.fragment_files:
+            return self._fetch_fragment_files(metadata, complete)
 
         def download(dest: Path) -> bool:
             done, _ = self._retry.attempt(
@@ -673,6 +694,115 @@ class DumbDiLoCoCoordinator:
             )
             return None
         return tensors
+
+    def _fetch_fragment_files(self, metadata: GlobalMetadata, complete: bool) -> TensorDict | None:
+        """The tensors of the fragment files this node needs from a global published as
+        fragment files: every fragment with ``complete``, for a node without fragments (it
+        installs the whole global) or the first time; else those whose version advanced.
+        None (logged, ``global_refused`` emitted once per file) when a file is refused or not
+        fetched."""
+        if (metadata.model_file, metadata.sha256) in self._refused:
+            return None
+        count = len(metadata.fragment_files)
+        if self._fragments is not None:
+            layout = self._fragments.layout
+        else:
+            try:
+                layout = FragmentLayout.build(self._baseline, count)
+            except SpeedtronicError as exc:
+                return self._refuse_global(
+                    metadata, FragmentFileError(f"{metadata.model_file}: {exc}")
+                )
+        info = global_fragment_info(metadata.extra)
+        try:
+            if info is None or info[1] != layout.fingerprint:
+                raise FragmentFileError(
+                    f"{metadata.model_file}: fragment layout "
+                    f"{info[1] if info else None!r} differs from this node's "
+                    f"{layout.fingerprint!r} (another model?)"
+                )
+            check_fragment_index(metadata, layout, info[0])
+        except FragmentFileError as exc:
+            return self._refuse_global(metadata, exc)
+        if complete or self._fragments is None:
+            wanted: tuple[int, ...] = tuple(range(count))
+        else:
+            wanted = self._fragments.plan(info)
+        tensors: TensorDict = {}
+        for j in wanted:
+            part = self._fetch_fragment_file(metadata, layout, j)
+            if part is None:
+                return None
+            tensors.update(part)
+        self._note_global(metadata)
+        return restore_dtypes(tensors, self._baseline)
+
+    def _fetch_fragment_file(
+        self, metadata: GlobalMetadata, layout: FragmentLayout, j: int
+    ) -> TensorDict | None:
+        """Fragment ``j``'s tensors: from its cache or the store, bounded, then checked."""
+        view = metadata.fragment_view(j)
+        where = view.model_file
+        if (where, view.sha256) in self._refused:
+            return None
+        limit = size_limit(layout, j, self._baseline)
+        if view.size > limit:
+            problem = (
+                f"{where}: {view.size} bytes listed, more than fragment {j} can take ({limit})"
+            )
+            return self._refuse_global(view, FragmentFileError(problem), metadata.outer_step)
+
+        def download(dest: Path) -> bool:
+            done, _ = self._retry.attempt(
+                f"downloading {where} (fragment {j} of global outer step {metadata.outer_step})",
+                lambda: self.transport.download_global(view, dest),
+                self._stop,
+            )
+            if done:
+                with contextlib.suppress(OSError):
+                    self._count_received(metadata.outer_step, dest.stat().st_size)
+            return done
+
+        cache = self._fragment_cache(j)
+        tensors = cache.get(view, download)
+        if tensors is None:
+            return None
+        path = cache.path_for(view)
+        try:
+            header = read_header(path)[1].get("__metadata__") or {}
+            check_fragment_file(
+                path, where, j, view.outer_step, layout, tensors, header, self._baseline, self._key
+            )
+        except (SignatureError, FragmentFileError) as exc:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            problem = (
+                exc if isinstance(exc, FragmentFileError) else FragmentFileError(f"{where}: {exc}")
+            )
+            return self._refuse_global(view, problem, metadata.outer_step)
+        return tensors
+
+    def _fragment_cache(self, j: int) -> GlobalCache:
+        cache = self._fragment_caches.get(j)
+        if cache is None:
+            directory = self.cache_dir / "global" / f"fragment_{j}"
+            cache = self._fragment_caches[j] = GlobalCache(directory, keep=self.config.cache_keep)
+        return cache
+
+    def _refuse_global(
+        self, refused: GlobalMetadata, exc: FragmentFileError, outer_step: int | None = None
+    ) -> None:
+        """Log and emit ``global_refused`` for the file ``refused`` names (the metadata's own
+        ``model_file`` for a refused metadata), and never fetch that file again."""
+        if len(self._refused) >= 64:
+            self._refused.pop(next(iter(self._refused)))
+        self._refused[(refused.model_file, refused.sha256)] = None
+        step = refused.outer_step if outer_step is None else outer_step
+        log.error("!!! refusing global outer step %d: %s; keeping the current weights", step, exc)
+        self._queue_event(
+            "global_refused",
+            {"outer_step": step, "reason": "fragment_file", "message": str(exc)[:200]},
+        )
 
     def _install_ready(self) -> bool:
         with self._lock:
@@ -777,13 +907,17 @@ class DumbDiLoCoCoordinator:
         else:
             info = self._global_info.get(outer_step)
         boundary_only = self.config.install_at == "boundary" and self._due
-        plan = fragments.plan(info, self._due if boundary_only else None)
+        layout = fragments.layout
+        plan = tuple(  # a global fetched as fragment files holds only the fragments it needed
+            j
+            for j in fragments.plan(info, self._due if boundary_only else None)
+            if all(name in tensors for name in layout.fragments[j])
+        )
         if not plan:
             with self._lock:
                 if fragments.pending(info) and (self._ready is None or self._ready[0] < outer_step):
                     self._ready = (outer_step, tensors)
             return False
-        layout = fragments.layout
         chosen = set(layout.keys(plan))
         subset = {k: v for k, v in tensors.items() if k in chosen or not is_floating(v)}
         install_state(self.model, subset)

@@ -25,14 +25,16 @@ Nesterov momentum buffers are per tensor and fragments are disjoint, a fragment'
 the buffers of its tensors: fragment ``j``'s outer step touches nothing else. A round that has
 deltas for several fragments steps each of them once. Each fragment also has a *version*: the
 (global) outer step of its last update, monotone across master restarts and adoptions. Every
-publication carries all fragments (the whole global in one atomic publication, so a fragment's
-tensors and its metadata are always published together) plus ``{"count", "layout", "steps",
-"versions"}`` in the metadata's ``extra`` under ``fragments``.
+publication carries ``{"count", "layout", "steps", "versions"}`` in the metadata's ``extra``
+under ``fragments``; on a store with fragment files each fragment's global is a file of its
+own, and a round publishes only the files of the fragments it stepped, atomically with the
+metadata listing every fragment's file (:mod:`speedtronic_diloco.fragment_files`); elsewhere
+the whole global goes in one file.
 
-**A node** remembers the fragment versions it installed (:class:`NodeFragments`) and installs,
-from a newer global, only the fragments whose version advanced; with ``install_at: boundary``
-fragment ``j`` only at its own sync step, right after its upload. Other fragments' weights and
-baselines, hence their local progress, are left alone.
+**A node** remembers the fragment versions it installed (:class:`NodeFragments`) and downloads
+and installs, from a newer global, only the fragments whose version advanced; with
+``install_at: boundary`` fragment ``j`` only at its own sync step, right after its upload.
+Other fragments' weights and baselines, hence their local progress, are left alone.
 """
 
 from __future__ import annotations

@@ -4,7 +4,10 @@ What ``--global`` of ``speedtronic eval``, ``export`` and ``generate`` loads (co
 ``load_global_state`` hook): the newest published global is downloaded to a temporary file,
 its size and sha256 checked by the transport, its signature checked when a signing key is set
 (a worker refuses unsigned globals, and so does this), and returned as CPU tensors under the
-model's own keys and dtypes. Nothing is written to the store: no node registration, no lease.
+model's own keys and dtypes. A global published as fragment files (streaming fragments) is
+put together from every fragment's file, each bounded and checked as a node checks it
+(:mod:`speedtronic_diloco.fragment_files`). Nothing is written to the store: no node
+registration, no lease.
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ import torch
 
 from speedtronic.errors import TransportError
 from speedtronic_diloco.config import DistributedConfig
+from speedtronic_diloco.fragment_files import check_fragment_file, check_fragment_index, size_limit
+from speedtronic_diloco.fragments import FragmentLayout, global_fragment_info
 from speedtronic_diloco.signing import SignatureError, resolve_key, verify_file
-from speedtronic_diloco.tensors import load_tensors
-from speedtronic_diloco.transports import open_transport
+from speedtronic_diloco.tensors import TensorDict, cpu_state_dict, load_tensors
+from speedtronic_diloco.transports import GlobalMetadata, Transport, open_transport
 
 __all__ = ["read_global_state"]
 
@@ -32,6 +37,9 @@ def read_global_state(section: DistributedConfig, model: Any) -> dict[str, torch
     if metadata is None:
         raise TransportError(f"no global weights published yet in {section.repo_id}")
     key = resolve_key(section.signing_key)
+    if metadata.fragment_files:
+        tensors = _read_fragment_files(transport, metadata, model, key)
+        return _in_model_dtypes(tensors, model)
     with tempfile.TemporaryDirectory(prefix="speedtronic-global-") as scratch:
         path = transport.download_global(metadata, Path(scratch) / "global.safetensors")
         if key is not None:
@@ -48,8 +56,43 @@ def read_global_state(section: DistributedConfig, model: Any) -> dict[str, torch
                     f"the global of outer step {metadata.outer_step} is signed for another step"
                 )
         tensors, _ = load_tensors(path)
+    return _in_model_dtypes(tensors, model)
+
+
+def _in_model_dtypes(tensors: TensorDict, model: Any) -> TensorDict:
     expected = model.state_dict()
     return {
         name: tensor.to(expected[name].dtype) if name in expected else tensor
         for name, tensor in tensors.items()
     }
+
+
+def _read_fragment_files(
+    transport: Transport, metadata: GlobalMetadata, model: Any, key: bytes | None
+) -> TensorDict:
+    """Every fragment file of ``metadata``, downloaded, bounded and checked, put together."""
+    local = cpu_state_dict(model.state_dict())
+    info = global_fragment_info(metadata.extra)
+    layout = FragmentLayout.build(local, len(metadata.fragment_files))
+    if info is None or info[1] != layout.fingerprint:
+        raise TransportError(
+            f"{metadata.model_file}: the global's fragment layout does not match this model"
+        )
+    check_fragment_index(metadata, layout, info[0])
+    tensors: TensorDict = {}
+    with tempfile.TemporaryDirectory(prefix="speedtronic-global-") as scratch:
+        for j in range(layout.count):
+            view = metadata.fragment_view(j)
+            limit = size_limit(layout, j, local)
+            if view.size > limit:
+                raise TransportError(
+                    f"{view.model_file}: {view.size} bytes listed, more than fragment {j} can "
+                    f"take ({limit})"
+                )
+            path = transport.download_global(view, Path(scratch) / f"fragment_{j}.safetensors")
+            part, header = load_tensors(path)
+            check_fragment_file(
+                path, view.model_file, j, view.outer_step, layout, part, header, local, key
+            )
+            tensors.update(part)
+    return tensors

@@ -62,11 +62,18 @@ from speedtronic_diloco.aggregation import (
     screen_round,
 )
 from speedtronic_diloco.codecs import CodecError, decode_delta_file, encode_global, is_compressed
+from speedtronic_diloco.fragment_files import (
+    FragmentFileError,
+    check_fragment_index,
+    fragment_header,
+    fragment_tensors,
+)
 from speedtronic_diloco.fragments import (
     FragmentError,
     FragmentLayout,
     delta_fragments,
     fragment_view,
+    global_fragment_info,
     step_fragments,
 )
 from speedtronic_diloco.ledger import DeltaLedger, Housekeeper, Verdict
@@ -81,11 +88,14 @@ from speedtronic_diloco.tensors import (
     save_tensors,
 )
 from speedtronic_diloco.transports.base import (
+    GLOBAL_WEIGHTS,
     DeltaInfo,
+    FragmentFile,
     GlobalMetadata,
     Lease,
     LeaseError,
     LeaseLostError,
+    PermanentTransportError,
     Transport,
 )
 
@@ -221,6 +231,9 @@ class MasterOuterLoop:
         self.fragments: FragmentLayout | None = None
         self.fragment_steps: list[int] = []
         self.fragment_versions: list[int] = []
+        #: The published file of each fragment (None: not published in this lineage yet);
+        #: a file is published again only when its fragment's version moved past it.
+        self.fragment_files: list[FragmentFile | None] = []
         self.global_compression = "none"
         self._fragment_norms: dict[int, deque[float]] = {}
         self._fragment_info: dict[int, dict[str, Any]] = {}  # outer step -> published info
@@ -250,6 +263,7 @@ class MasterOuterLoop:
             fragment_state = dict(json.loads(meta.get("fragment_state") or "{}"))
             fragment_steps = [int(s) for s in fragment_state.get("steps") or ()]
             fragment_versions = [int(s) for s in fragment_state.get("versions") or ()]
+            fragment_files = _files_from_json(fragment_state.get("files"))
         except (TensorFileError, KeyError, ValueError, TypeError) as exc:
             log.warning("master state %s is unreadable (%s); ignoring it", path, exc)
             return False
@@ -267,6 +281,7 @@ class MasterOuterLoop:
             self._adopt_robust_state(extra)
             self.fragment_steps = fragment_steps
             self.fragment_versions = fragment_versions
+            self.fragment_files = fragment_files
         if self.halted:
             log.error("master state %s: the outer loop is HALTED (%s)", path, self.halted)
         log.info(
@@ -293,9 +308,13 @@ class MasterOuterLoop:
             }
             meta.update(self._robust_state_meta())
             if self.fragment_steps:
-                meta["fragment_state"] = json.dumps(
-                    {"steps": self.fragment_steps, "versions": self.fragment_versions}
-                )
+                state: dict[str, Any] = {
+                    "steps": self.fragment_steps,
+                    "versions": self.fragment_versions,
+                }
+                if any(entry is not None for entry in self.fragment_files):
+                    state["files"] = _files_to_json(self.fragment_files)
+                meta["fragment_state"] = json.dumps(state)
             step, halted = self.outer_step, self.halted
         save_tensors(self.state_path, tensors, meta)
         self.has_local_state = True
@@ -314,6 +333,7 @@ class MasterOuterLoop:
                 "halted": self.halted,
                 "fragment_steps": list(self.fragment_steps),
                 "fragment_versions": list(self.fragment_versions),
+                "fragment_files": _files_to_json(self.fragment_files),
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> bool:
@@ -331,6 +351,7 @@ class MasterOuterLoop:
             self.halted = state.get("halted") or None
             self.fragment_steps = [int(s) for s in state.get("fragment_steps") or ()]
             self.fragment_versions = [int(s) for s in state.get("fragment_versions") or ()]
+            self.fragment_files = _files_from_json(state.get("fragment_files"))
         return True
 
     def has_processed(self, key: tuple[str, int]) -> bool:
@@ -353,6 +374,7 @@ class MasterOuterLoop:
             self.outer_step = 0
             self.published_step = -1
             self.fragment_versions = [0] * len(self.fragment_versions)
+            self.fragment_files = [None] * len(self.fragment_versions)
         self.save()
 
     def adopt(
@@ -361,9 +383,13 @@ class MasterOuterLoop:
         weights: TensorDict,
         processed: Iterable[tuple[str, int, str | None]] = (),
         nodes: dict[str, dict[str, Any]] | None = None,
+        remote: GlobalMetadata | None = None,
     ) -> None:
         """Continue from the store's global at ``outer_step``; momentum restarts from zero and
-        the store's ledger (``processed`` window and ``nodes`` summary) joins the local one."""
+        the store's ledger (``processed`` window and ``nodes`` summary) joins the local one.
+        Every fragment's version becomes ``outer_step`` (every node installs it all), unless
+        ``remote`` (the adopted global's metadata) lists this layout's fragment files: then
+        its versions and files are kept, and only fragments that move are published again."""
         with self._lock:
             self.global_state = dict(weights)
             self.momentum = {}
@@ -371,7 +397,24 @@ class MasterOuterLoop:
             self.published_step = outer_step
             self.processed.merge_published(processed, nodes, outer_step)
             self.fragment_versions = [outer_step] * len(self.fragment_versions)
+            self.fragment_files = [None] * len(self.fragment_versions)
+            if remote is not None:
+                self._adopt_fragment_files(remote)
         self.save()
+
+    def _adopt_fragment_files(self, remote: GlobalMetadata) -> None:
+        """Take the versions and files of ``remote`` when they are this layout's (caller
+        holds the lock)."""
+        info = global_fragment_info(remote.extra)
+        layout = self.fragments
+        if layout is None or info is None or info[1] != layout.fingerprint:
+            return
+        try:
+            check_fragment_index(remote, layout, info[0])
+        except FragmentFileError:
+            return
+        self.fragment_versions = list(info[0])
+        self.fragment_files = list(remote.fragment_files)
 
     def continue_after(self, store_step: int) -> None:
         """The store holds ``store_step`` but its weights could not be fetched: keep the local
@@ -389,7 +432,9 @@ class MasterOuterLoop:
     # ----------------------------------------------------------------- rounds
     def publish(self, deltas_included: int = 0) -> GlobalMetadata | None:
         """Publish the current global weights and metadata (signed with a key); None (with a
-        warning) on failure, and always None while the loop is halted."""
+        warning) on failure, and always None while the loop is halted. With streaming
+        fragments (and a store that has fragment files) only the fragment files whose
+        version moved are written (see :mod:`speedtronic_diloco.fragment_files`)."""
         with self._lock:
             if self.global_state is None:
                 return None
@@ -400,58 +445,143 @@ class MasterOuterLoop:
             extra = dict(self._extra) if self._extra.get("outer_step") == step else {}
             extra.update(self._fragment_extra())
             ledger, nodes = self.processed.published()
+            layout = self.fragments if self.transport.supports_fragment_files else None
+            versions, known = list(self.fragment_versions), list(self.fragment_files)
         fenced, fence = self._fence(f"publishing outer step {step}")
         if not fenced:
             return None
         failures: list[TransportError] = []
-        path = self.cache_dir / "publish" / f"global_{step:08d}.safetensors"
+        fields: dict[str, Any] = {
+            "published_at": time.time(),
+            "master": self.node_id,
+            "deltas_included": deltas_included or int(extra.get("deltas_included", 0)),
+            "processed": ledger,
+            "extra": extra,
+            "nodes": nodes,
+            "lease_epoch": fence.epoch if fence is not None else None,
+            "eval_loss": extra.get("eval_loss"),
+        }
         with self._round_lock:
-            try:
-                stored, codec_meta = encode_global(weights, self.global_compression)
-                save_tensors(
-                    path,
-                    stored,
-                    {
-                        "kind": "global",
-                        "outer_step": str(step),
-                        "master": self.node_id,
-                        **codec_meta,
-                    },
+            if layout is not None:
+                done, published = self._publish_fragment_files(
+                    step, weights, layout, versions, known, fields, failures
                 )
-                if self.rules.signing_key is not None:
-                    sign_file(path, self.rules.signing_key)
-                meta = GlobalMetadata.for_file(
-                    path,
-                    step,
-                    published_at=time.time(),
-                    master=self.node_id,
-                    deltas_included=deltas_included or int(extra.get("deltas_included", 0)),
-                    processed=ledger,
-                    extra=extra,
-                    nodes=nodes,
-                    lease_epoch=fence.epoch if fence is not None else None,
-                    eval_loss=extra.get("eval_loss"),
-                )
-                done, published = self.retry.attempt(
-                    f"publishing outer step {step} to {self.transport.description}",
-                    lambda: self.transport.publish_global(path, meta),
-                    self._stop,
-                    then="will retry next round",
-                    on_failure=failures.append,
-                )
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
+            else:
+                done, published = self._publish_whole(step, weights, fields, failures)
         if not done:
             self._raise_if_fenced(failures)
             return None
         with self._lock:
             self.published_step = max(self.published_step, step)
             self.last_published = published
+            if layout is not None and published is not None:
+                self.fragment_files = list(published.fragment_files)
         with contextlib.suppress(OSError):
             self.save()
         log.info("published outer step %d to %s", step, self.transport.description)
         return published
+
+    def _publish_whole(
+        self, step: int, weights: TensorDict, fields: dict[str, Any], failures: list[Any]
+    ) -> tuple[bool, GlobalMetadata | None]:
+        """The whole global in one file (K = 1, or a store without fragment files)."""
+        path = self.cache_dir / "publish" / f"global_{step:08d}.safetensors"
+        try:
+            stored, codec_meta = encode_global(weights, self.global_compression)
+            header = {"kind": "global", "outer_step": str(step), "master": self.node_id}
+            save_tensors(path, stored, {**header, **codec_meta})
+            if self.rules.signing_key is not None:
+                sign_file(path, self.rules.signing_key)
+            meta = GlobalMetadata.for_file(path, step, **fields)
+            return self.retry.attempt(
+                f"publishing outer step {step} to {self.transport.description}",
+                lambda: self.transport.publish_global(path, meta),
+                self._stop,
+                then="will retry next round",
+                on_failure=failures.append,
+            )
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+    def _publish_fragment_files(
+        self,
+        step: int,
+        weights: TensorDict,
+        layout: FragmentLayout,
+        versions: list[int],
+        known: list[FragmentFile | None],
+        fields: dict[str, Any],
+        failures: list[Any],
+    ) -> tuple[bool, GlobalMetadata | None]:
+        """Write the files of the fragments whose version moved past their published file
+        (all of them when the store does not list this master's files), then publish them
+        with metadata listing every fragment's file, in one atomic publication."""
+        kept = self._kept_fragment_files(layout, versions, known)
+        files: dict[int, Path] = {}
+        entries: list[FragmentFile] = []
+        try:
+            for j in range(layout.count):
+                entry = kept.get(j)
+                if entry is None:
+                    files[j], entry = self._write_fragment_file(step, weights, layout, j, versions)
+                entries.append(entry)
+            first = entries[min(files)] if files else max(entries, key=lambda e: e.outer_step)
+            meta = GlobalMetadata(
+                outer_step=step,
+                sha256=first.sha256,
+                size=first.size,
+                model_file=first.file or GLOBAL_WEIGHTS,
+                fragment_files=tuple(entries),
+                **fields,
+            )
+            return self.retry.attempt(
+                f"publishing outer step {step} (fragment files {sorted(files)}) to "
+                f"{self.transport.description}",
+                lambda: self.transport.publish_fragments(files, meta),
+                self._stop,
+                then="will retry next round",
+                on_failure=failures.append,
+            )
+        finally:
+            for path in files.values():
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+
+    def _kept_fragment_files(
+        self, layout: FragmentLayout, versions: list[int], known: list[FragmentFile | None]
+    ) -> dict[int, FragmentFile]:
+        """The published fragment files that still hold their fragment's current version:
+        this master's own files (``known``) that the store's metadata lists as they are."""
+        read, remote = self.retry.attempt(
+            f"reading global metadata from {self.transport.description}",
+            self.transport.read_global_metadata,
+            self._stop,
+            then="publishing every fragment file",
+        )
+        listed = remote.fragment_files if read and remote is not None else ()
+        if len(listed) != layout.count or len(known) != layout.count:
+            return {}
+        return {
+            j: entry
+            for j, entry in enumerate(known)
+            if entry is not None and entry.outer_step == versions[j] and listed[j] == entry
+        }
+
+    def _write_fragment_file(
+        self, step: int, weights: TensorDict, layout: FragmentLayout, j: int, versions: list[int]
+    ) -> tuple[Path, FragmentFile]:
+        """Fragment ``j``'s file at its version (encoded, signed), and its entry (its store
+        path is named by the transport)."""
+        path = self.cache_dir / "publish" / f"fragment{j}_{step:08d}.safetensors"
+        stored, codec_meta = encode_global(
+            fragment_tensors(weights, layout, j), self.global_compression
+        )
+        header = fragment_header(j, versions[j], layout, self.node_id)
+        save_tensors(path, stored, {**header, **codec_meta})
+        if self.rules.signing_key is not None:
+            sign_file(path, self.rules.signing_key)
+        return path, FragmentFile("", sha256_file(path), path.stat().st_size, versions[j])
 
     def publish_if_behind(self) -> bool:
         """Publish when the store has not seen the current outer step yet."""
@@ -889,6 +1019,8 @@ class MasterOuterLoop:
                 self.fragment_steps = [0] * layout.count
             if len(self.fragment_versions) != layout.count:
                 self.fragment_versions = [self.outer_step] * layout.count
+            if len(self.fragment_files) != layout.count:
+                self.fragment_files = [None] * layout.count
             self._fragment_norms = {j: deque(maxlen=NORM_HISTORY) for j in range(layout.count)}
             self._fragment_info[self.outer_step] = self._fragment_extra()["fragments"]
 
@@ -1262,8 +1394,10 @@ def roll_back(state_dir: str | Path, to_step: int) -> int:
     """Make the master state in ``state_dir`` continue from the global and momentum of outer
     step ``to_step`` (a kept history entry, or the current step), as a *new* outer step (the
     current one + 1, so every node installs it); the ledger is kept (deltas processed since are
-    not aggregated again) and a halt is cleared. The master must not be running. Returns the new
-    outer step; the restarted master publishes it."""
+    not aggregated again) and a halt is cleared; with streaming fragments every fragment's
+    version becomes the new outer step, so every fragment file is published again and every
+    node installs all of it. The master must not be running. Returns the new outer step; the
+    restarted master publishes it."""
     state_dir = Path(state_dir)
     path = state_dir / STATE_FILE
     try:
@@ -1295,6 +1429,8 @@ def roll_back(state_dir: str | Path, to_step: int) -> int:
         halted="",
         rolled_back=json.dumps({"to": to_step, "from": current, "at": time.time()}),
     )
+    if meta.get("fragment_state"):
+        updated["fragment_state"] = _rolled_back_fragments(meta["fragment_state"], new_step)
     save_tensors(path, weights, updated)
     log.warning(
         "master state %s: rolled back to the global of outer step %d, as outer step %d "
@@ -1304,6 +1440,36 @@ def roll_back(state_dir: str | Path, to_step: int) -> int:
         new_step,
     )
     return new_step
+
+
+def _rolled_back_fragments(raw: str, new_step: int) -> str:
+    """The ``fragment_state`` of a rolled-back master: every fragment's version is the new
+    outer step (every node installs all of it) and no fragment file is kept (all are
+    published again)."""
+    try:
+        state = dict(json.loads(raw))
+        count = len(state.get("versions") or ())
+    except (ValueError, TypeError):
+        return json.dumps({})
+    return json.dumps({"steps": state.get("steps") or [], "versions": [new_step] * count})
+
+
+def _files_to_json(files: Iterable[FragmentFile | None]) -> list[dict[str, Any] | None]:
+    return [None if entry is None else entry.to_json() for entry in files]
+
+
+def _files_from_json(data: Any) -> list[FragmentFile | None]:
+    """Fragment file entries saved by :func:`_files_to_json`; an unreadable one is None (its
+    fragment is then published again)."""
+    if not isinstance(data, list):
+        return []
+    out: list[FragmentFile | None] = []
+    for entry in data:
+        try:
+            out.append(None if entry is None else FragmentFile.from_json(entry, STATE_FILE))
+        except PermanentTransportError:
+            out.append(None)
+    return out
 
 
 def _robust_state_from(meta: dict[str, str]) -> dict[str, Any]:

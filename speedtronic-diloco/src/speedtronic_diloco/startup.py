@@ -18,6 +18,7 @@ from typing import Any
 from speedtronic.errors import TransportError
 from speedtronic_diloco.aggregation import AggregationRules
 from speedtronic_diloco.config import DistributedConfig
+from speedtronic_diloco.fragments import FragmentLayout
 from speedtronic_diloco.lease import LeaseKeeper
 from speedtronic_diloco.outer import Emit, MasterOuterLoop
 from speedtronic_diloco.retry import RetryPolicy
@@ -96,6 +97,7 @@ def prepare_master(
     checkpointed: dict[str, Any] | None = None,
     signing_key: bytes | None = None,
     evaluate: Callable[[TensorDict], float] | None = None,
+    fragments: FragmentLayout | None = None,
 ) -> MasterOuterLoop:
     """Provision the store and build the outer loop at the state the run continues from; the
     loop is returned unstarted.
@@ -103,7 +105,8 @@ def prepare_master(
     ``checkpointed`` is the outer state of a trainer checkpoint (used when it is ahead of the
     state directory); ``fetch_global`` downloads (through the cache) the store's weights;
     ``current_weights`` snapshots the model for a bootstrap; ``signing_key`` and ``evaluate``
-    go to the outer loop (with the round rules of ``config``).
+    go to the outer loop (with the round rules of ``config``); ``fragments`` is the streaming
+    fragment layout (set before a global is adopted, so that its fragment files are kept).
     """
     provision_store(transport, config)
     outer = MasterOuterLoop(
@@ -121,6 +124,7 @@ def prepare_master(
         squash_history_every=config.squash_history_every,
         cache_keep=config.cache_keep,
     )
+    outer.set_fragments(fragments)
     outer.lease = take_lease(transport, config, node_id, retry, stop)
     if checkpointed is not None and outer.load_state_dict(checkpointed):
         log.info("master: outer state from the checkpoint (outer step %d)", outer.outer_step)
@@ -136,7 +140,7 @@ def prepare_master(
         assert remote is not None
         tensors = fetch_global(remote)
         if tensors is not None:
-            outer.adopt(remote.outer_step, tensors, remote.processed, remote.nodes)
+            outer.adopt(remote.outer_step, tensors, remote.processed, remote.nodes, remote)
         else:
             # Train on, but number the next outer step after the store's version.
             choice = StartupChoice.LOCAL if outer.has_local_state else StartupChoice.BOOTSTRAP

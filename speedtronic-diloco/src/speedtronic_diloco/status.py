@@ -2,7 +2,8 @@
 
 It reads the store and never writes to it: the published metadata (outer step, when and by
 whom it was published, the global's eval loss, the per-node summary of the master's ledger),
-the lease, the delta listing and the store's size. Per node it shows the last delta's local
+the lease, the delta listing and the store's size; with streaming fragments published as files
+of their own, each fragment's file, outer step and size. Per node it shows the last delta's local
 step and age, the outer step it was computed from (its staleness), its norm, how many of the
 node's deltas were accepted and rejected and why the last rejection happened; what the store
 does not record is shown as ``-``. A rich table on a terminal, JSON with ``--json``;
@@ -44,6 +45,7 @@ class RunStatus:
     eval_loss: float | None = None
     lease: dict[str, Any] | None = None
     store_bytes: int | None = None
+    fragment_files: list[dict[str, Any]] = field(default_factory=list)
     nodes: list[dict[str, Any]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
@@ -69,6 +71,7 @@ class RunStatus:
             "store_bytes": self.store_bytes,
             "nodes": self.nodes,
             "problems": self.problems,
+            **({"fragment_files": self.fragment_files} if self.fragment_files else {}),
         }
 
 
@@ -97,6 +100,7 @@ def collect_status(transport: Any, now: float | None = None) -> RunStatus:
         if loss is None:
             loss = metadata.extra.get("eval_loss")
         status.eval_loss = _finite(loss)
+        status.fragment_files = [entry.to_json() for entry in metadata.fragment_files]
     try:
         lease = transport.read_lease()
     except UnsupportedOperation:
@@ -239,7 +243,7 @@ def summary_lines(status: RunStatus) -> list[str]:
     if status.published_at is not None:
         published = f"{_when(status.published_at)} ({_age(status.age_s)} ago)"
     by = f" by {status.master}" if status.master else ""
-    return [
+    lines = [
         f"store        {status.store}",
         f"outer step   {_cell(status.outer_step)}{by}",
         f"published    {published}",
@@ -247,6 +251,12 @@ def summary_lines(status: RunStatus) -> list[str]:
         f"lease        {holder}",
         f"store size   {_size(status.store_bytes)}",
     ]
+    if status.fragment_files:
+        files = status.fragment_files
+        steps = ", ".join(str(entry["outer_step"]) for entry in files)
+        total = sum(int(entry["size"]) for entry in files)
+        lines.append(f"fragments    {len(files)} files at outer steps {steps}, {_size(total)}")
+    return lines
 
 
 COLUMNS = (

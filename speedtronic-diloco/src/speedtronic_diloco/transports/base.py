@@ -23,7 +23,7 @@ import math
 import re
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -37,8 +37,10 @@ __all__ = [
     "GLOBAL_WEIGHTS",
     "LEASE_FILE",
     "LEASE_LIMIT",
+    "MAX_FRAGMENT_FILES",
     "METADATA_LIMIT",
     "DeltaInfo",
+    "FragmentFile",
     "GlobalMetadata",
     "IntegrityError",
     "Lease",
@@ -53,6 +55,7 @@ __all__ = [
     "check_fence",
     "delta_path",
     "is_global_file",
+    "named_fragments",
     "parse_delta_path",
     "redact_userinfo",
     "write_verified",
@@ -66,6 +69,8 @@ METADATA_FORMAT = 1
 METADATA_LIMIT = 4 << 20
 #: A ``lease.json`` larger than this is not ours.
 LEASE_LIMIT = 64 << 10
+#: A ``step_count.json`` naming more fragment files than this is not ours.
+MAX_FRAGMENT_FILES = 1024
 _USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@?#]*@")
 _DELTA_PATH = re.compile(r"^nodes/([^/\\]+)/delta_(\d+)\.safetensors$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -179,6 +184,66 @@ def check_fence(current: Lease | None, holder: str, epoch: int, where: str) -> N
 
 
 @dataclass(frozen=True)
+class FragmentFile:
+    """One fragment's global file as ``step_count.json`` lists it (``fragment_files``).
+
+    ``file`` is its store path (a ``global/*.safetensors`` name the transport chose),
+    ``sha256`` and ``size`` describe its bytes and are verified on download, ``outer_step`` is
+    the outer step of the fragment's last update: the one written in the file's header (and
+    signed with it), equal to the fragment's version in ``extra.fragments``.
+    """
+
+    file: str
+    sha256: str
+    size: int
+    outer_step: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "file": self.file,
+            "sha256": self.sha256,
+            "size": self.size,
+            "outer_step": self.outer_step,
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> FragmentFile:
+        """Parse and check one entry; PermanentTransportError naming ``where`` if malformed."""
+        if not isinstance(data, dict):
+            raise PermanentTransportError(f"{where}: expected a JSON object")
+        try:
+            file, sha256 = data["file"], data["sha256"]
+            size, outer_step = data["size"], data["outer_step"]
+        except KeyError as exc:
+            raise PermanentTransportError(f"{where}: missing field {exc}") from None
+        if not isinstance(file, str) or not is_global_file(file):
+            raise PermanentTransportError(
+                f"{where}: file {file!r} is not a global/*.safetensors path"
+            )
+        if not isinstance(sha256, str) or not _SHA256.match(sha256):
+            raise PermanentTransportError(f"{where}: sha256 is not 64 lowercase hex digits")
+        for name, value in (("size", size), ("outer_step", outer_step)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise PermanentTransportError(f"{where}: {name} is not an integer >= 0")
+        return cls(file, sha256, size, outer_step)
+
+
+def _fragment_files(data: Any) -> tuple[FragmentFile, ...]:
+    """The ``fragment_files`` list of a ``step_count.json`` document (checked, bounded)."""
+    if data is None:
+        return ()
+    if not isinstance(data, list) or len(data) > MAX_FRAGMENT_FILES:
+        raise PermanentTransportError(
+            f"{GLOBAL_METADATA}: fragment_files is not a list of at most "
+            f"{MAX_FRAGMENT_FILES} entries"
+        )
+    return tuple(
+        FragmentFile.from_json(entry, f"{GLOBAL_METADATA}: fragment_files[{index}]")
+        for index, entry in enumerate(data)
+    )
+
+
+@dataclass(frozen=True)
 class GlobalMetadata:
     """What ``global/step_count.json`` says about the published global weights.
 
@@ -193,6 +258,12 @@ class GlobalMetadata:
     bounded, so the document stays the same size however long the run. ``lease_epoch`` is the
     epoch of the lease the publication was made under (the fence); ``eval_loss`` the global's
     held-out loss when the master evaluated it.
+
+    With streaming fragments published as files of their own (``fragment_files``, one
+    :class:`FragmentFile` per fragment, in fragment order), the global is the union of those
+    files, and ``model_file``, ``sha256`` and ``size`` describe the file this publication
+    added (the first of them when it added several). Without (``fragment_files`` empty, every
+    K = 1 run) the document is exactly the one of a single weights file.
     """
 
     outer_step: int
@@ -208,6 +279,7 @@ class GlobalMetadata:
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
     lease_epoch: int | None = None
     eval_loss: float | None = None
+    fragment_files: tuple[FragmentFile, ...] = ()
 
     @classmethod
     def for_file(cls, path: str | Path, outer_step: int, **kwargs: Any) -> GlobalMetadata:
@@ -239,6 +311,11 @@ class GlobalMetadata:
             **({"lease_epoch": self.lease_epoch} if self.lease_epoch is not None else {}),
             **({"eval_loss": self.eval_loss} if self.eval_loss is not None else {}),
             **({"extra": self.extra} if self.extra else {}),
+            **(
+                {"fragment_files": [entry.to_json() for entry in self.fragment_files]}
+                if self.fragment_files
+                else {}
+            ),
         }
 
     def dumps(self) -> bytes:
@@ -306,6 +383,20 @@ class GlobalMetadata:
             nodes={k: dict(v) for k, v in nodes.items()},
             lease_epoch=lease_epoch,
             eval_loss=eval_loss,
+            fragment_files=_fragment_files(data.get("fragment_files")),
+        )
+
+    def fragment_view(self, index: int) -> GlobalMetadata:
+        """The metadata of fragment ``index``'s file alone, for :meth:`Transport.download_global`
+        and the cache: its path, sha256, size and outer step, at this revision."""
+        entry = self.fragment_files[index]
+        return replace(
+            self,
+            outer_step=entry.outer_step,
+            model_file=entry.file,
+            sha256=entry.sha256,
+            size=entry.size,
+            fragment_files=(),
         )
 
     @classmethod
@@ -377,6 +468,9 @@ class Transport(ABC):
 
     #: Human-readable location for logs (``file:///srv/run`` or ``hf://org/run``).
     description: str = "transport"
+    #: True where :meth:`publish_fragments` is implemented (else a master with streaming
+    #: fragments publishes the whole global with :meth:`publish_global`).
+    supports_fragment_files: bool = False
 
     @abstractmethod
     def create_store(self, *, private: bool = True) -> None:
@@ -402,6 +496,20 @@ class Transport(ABC):
         """Publish ``weights`` and ``metadata`` as one atomic change: a reader sees the old pair
         or the new pair, never new metadata with other weights. Returns the metadata as
         published (``revision`` and ``model_file`` filled in)."""
+
+    def publish_fragments(
+        self, files: Mapping[int, Path], metadata: GlobalMetadata
+    ) -> GlobalMetadata:
+        """Publish the fragment files ``files`` (fragment index -> local file, possibly none)
+        and ``metadata`` as one atomic change: a reader sees the old metadata or the new one,
+        and every file the new one lists is in the store when it does. ``metadata`` lists
+        every fragment in ``fragment_files``; the entries of ``files`` carry their sha256,
+        size and outer step (checked against the files here) and get their ``file`` (the
+        store path) from the transport, the others are the current files, kept. Returns the
+        metadata as published, ``model_file``/``sha256``/``size`` those of the first file
+        published (unchanged when none was). :class:`UnsupportedOperation` where the store
+        cannot (``supports_fragment_files`` is False)."""
+        raise UnsupportedOperation(f"{self.description}: fragment files are not supported")
 
     @abstractmethod
     def upload_delta(self, node_id: str, local_step: int, source: Path) -> None:
@@ -447,6 +555,23 @@ class Transport(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook with a do-nothing default
         """Release connections and handles (idempotent)."""
+
+
+def named_fragments(metadata: GlobalMetadata, names: Mapping[int, str]) -> GlobalMetadata:
+    """``metadata`` with the fragment files ``names`` (index -> store path) filled in; the
+    top-level ``model_file``/``sha256``/``size`` become those of the first of them."""
+    entries = list(metadata.fragment_files)
+    for index, name in names.items():
+        if not 0 <= index < len(entries):
+            raise PermanentTransportError(
+                f"fragment {index} is not listed in the metadata being published"
+            )
+        entries[index] = replace(entries[index], file=name)
+    published = replace(metadata, fragment_files=tuple(entries), revision=None)
+    if not names:
+        return published
+    first = entries[min(names)]
+    return replace(published, model_file=first.file, sha256=first.sha256, size=first.size)
 
 
 def _git_blob_hash(size: int) -> Any:

@@ -9,6 +9,11 @@ The layout is the one of :mod:`speedtronic_diloco.transports.base`. What the Hub
   transport then reads again: when only workers' deltas moved the branch it commits again on
   the new head; when another master published this outer step or a newer one it raises
   :class:`PublishConflictError` instead of overwriting that work.
+* **Fragment files.** With streaming fragments each fragment's global lives at a fixed path,
+  ``global/fragment_<j>.safetensors``; a fragment round commits that file and the metadata
+  listing every fragment's file, sha256 and size (``fragment_files``) in ONE commit, fenced and
+  checked like any publication. Readers download each file at the commit the metadata was read
+  at, so a fixed path is never ambiguous, and the head holds K fragment files, never more.
 * **Pinned, verified downloads.** Metadata is read together with the commit it was read at
   (``X-Repo-Commit``); the weights are downloaded at that commit and checked against the
   metadata's size and sha256 (the client itself only checks sizes). Downloads stream straight
@@ -41,7 +46,7 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
@@ -82,6 +87,7 @@ from speedtronic_diloco.transports.base import (
     check_fence,
     delta_path,
     is_global_file,
+    named_fragments,
     parse_delta_path,
     redact_userinfo,
     write_verified,
@@ -92,7 +98,13 @@ from speedtronic_diloco.transports.hub_session import hub_call
 if TYPE_CHECKING:
     from speedtronic_diloco.config import DistributedConfig
 
-__all__ = ["DEFAULT_ENDPOINT", "HubTransport", "PublishConflictError", "resolve_endpoint"]
+__all__ = [
+    "DEFAULT_ENDPOINT",
+    "HubTransport",
+    "PublishConflictError",
+    "fragment_path",
+    "resolve_endpoint",
+]
 
 log = logging.getLogger("speedtronic.diloco.hub")
 
@@ -120,6 +132,11 @@ def resolve_endpoint(endpoint: str | None = None) -> str:
             f"Hub endpoint {redact_userinfo(url)!r} is not an http(s) URL"
         )
     return url
+
+
+def fragment_path(index: int) -> str:
+    """The store path of fragment ``index``'s global file on the Hub (one per fragment)."""
+    return f"global/fragment_{index}.safetensors"
 
 
 def _repo_commit(response: Any) -> str | None:
@@ -166,6 +183,8 @@ class HubTransport(Transport):
 
     Thread-safe: requests share the client's connection pool, publications are serialized.
     """
+
+    supports_fragment_files = True
 
     def __init__(
         self,
@@ -405,8 +424,36 @@ class HubTransport(Transport):
                 lambda: self._publish(Path(weights), published),
             )
 
+    def publish_fragments(
+        self, files: Mapping[int, Path], metadata: GlobalMetadata
+    ) -> GlobalMetadata:
+        """One commit with the fragment files and the metadata listing every fragment's file,
+        on the head the current metadata was read at (see the module doc)."""
+        published = named_fragments(metadata, {j: fragment_path(j) for j in files})
+        with self._publish_lock:
+            return self._call(
+                f"publish outer step {published.outer_step}",
+                lambda: self._publish_fragments(files, published),
+            )
+
+    def _publish_fragments(
+        self, files: Mapping[int, Path], published: GlobalMetadata
+    ) -> GlobalMetadata:
+        operations = []
+        for index, source in sorted(files.items()):
+            entry = published.fragment_files[index]
+            operation = CommitOperationAdd(entry.file, str(source))  # hashes the file once
+            if (operation.upload_info.sha256.hex(), operation.upload_info.size) != (
+                entry.sha256,
+                entry.size,
+            ):
+                raise PermanentTransportError(
+                    f"{source} does not match the sha256/size fragment {index} is published with"
+                )
+            operations.append(operation)
+        return self._commit_global(operations, published)
+
     def _publish(self, weights: Path, published: GlobalMetadata) -> GlobalMetadata:
-        payload = published.dumps()
         weights_op = CommitOperationAdd(GLOBAL_WEIGHTS, str(weights))  # hashes the file once
         if (weights_op.upload_info.sha256.hex(), weights_op.upload_info.size) != (
             published.sha256,
@@ -415,6 +462,13 @@ class HubTransport(Transport):
             raise PermanentTransportError(
                 f"{weights} does not match the sha256/size of the metadata being published"
             )
+        return self._commit_global([weights_op], published)
+
+    def _commit_global(
+        self, files: list[CommitOperationAdd], published: GlobalMetadata
+    ) -> GlobalMetadata:
+        """Commit ``files`` and ``published`` on the head, fenced and checked (module doc)."""
+        payload = published.dumps()
         raced = False
         for _ in range(_HEAD_RACES):
             head, current = self._head_metadata()
@@ -435,7 +489,7 @@ class HubTransport(Transport):
                 )
             if current is not None:
                 self._refuse_if_not_newer(current, head, published, raced)
-            operations = [weights_op, CommitOperationAdd(GLOBAL_METADATA, payload)]
+            operations = [*files, CommitOperationAdd(GLOBAL_METADATA, payload)]
             try:
                 info = self._api.create_commit(
                     self.repo_id,

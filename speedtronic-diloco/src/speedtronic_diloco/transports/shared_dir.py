@@ -10,6 +10,13 @@ finds exactly the weights the metadata describes, and verifies them by sha256. S
 files are pruned, keeping a few so that a reader holding slightly older metadata can still finish
 its download.
 
+**Fragment files** (streaming fragments, ``distributed.fragments: K``). Each fragment's global
+is written under an immutable name of its own, ``global/fragment<j>-v<outer_step>-<sha12>
+.safetensors``, before the metadata that lists it (``fragment_files``) replaces the old one
+under the lock, after the same fence check. Pruning keeps every file the new metadata lists
+and, per fragment, the newest ones it no longer lists (``KEEP_VERSIONS`` files per fragment in
+all), so a reader holding slightly older metadata can still finish.
+
 **The lock** is ``global/.lock``, held with ``fcntl.lockf`` (POSIX record locks, which NFS
 serves through its lock manager: NFSv4, or NFSv3 with ``lockd`` running; not on mounts with
 ``nolock``) plus a per-process thread lock (POSIX locks do not exclude threads of one process).
@@ -31,7 +38,7 @@ import re
 import shutil
 import stat
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
@@ -44,6 +51,7 @@ from speedtronic_diloco.transports.base import (
     LEASE_LIMIT,
     METADATA_LIMIT,
     DeltaInfo,
+    FragmentFile,
     GlobalMetadata,
     Lease,
     LeaseConflictError,
@@ -52,6 +60,7 @@ from speedtronic_diloco.transports.base import (
     Transport,
     check_fence,
     delta_path,
+    named_fragments,
     parse_delta_path,
     redact_userinfo,
     write_verified,
@@ -62,11 +71,18 @@ try:
 except ImportError:  # not POSIX: only threads of this process are excluded
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["KEEP_VERSIONS", "LOCK_FILE", "SharedDirectoryTransport", "shared_dir_root"]
+__all__ = [
+    "KEEP_VERSIONS",
+    "LOCK_FILE",
+    "SharedDirectoryTransport",
+    "fragment_file_name",
+    "shared_dir_root",
+]
 
 log = logging.getLogger("speedtronic.diloco.shared_dir")
 
 _VERSION = re.compile(r"^v(\d+)-[0-9a-f]{12}\.safetensors$")
+_FRAGMENT_VERSION = re.compile(r"^fragment(\d+)-v(\d+)-[0-9a-f]{12}\.safetensors$")
 KEEP_VERSIONS = 3
 LOCK_FILE = "global/.lock"
 _CHUNK = 1 << 20
@@ -124,6 +140,8 @@ def _kind(mode: int) -> str | None:
 
 class SharedDirectoryTransport(Transport):
     """The layout of :mod:`speedtronic_diloco.transports.base` under ``root``."""
+
+    supports_fragment_files = True
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
@@ -286,6 +304,62 @@ class SharedDirectoryTransport(Transport):
         self._prune_versions(keep=version)
         return published
 
+    def publish_fragments(
+        self, files: Mapping[int, Path], metadata: GlobalMetadata
+    ) -> GlobalMetadata:
+        """Fragment files under immutable names, then (locked, fenced) the metadata."""
+        return _classify(
+            f"publish to {self.root}", lambda: self._publish_fragments(files, metadata)
+        )
+
+    def _publish_fragments(
+        self, files: Mapping[int, Path], metadata: GlobalMetadata
+    ) -> GlobalMetadata:
+        names = {}
+        for index, source in sorted(files.items()):
+            entry = metadata.fragment_files[index]
+            name = fragment_file_name(index, entry)
+            write_verified(
+                _local_chunks(Path(source)),
+                self.root / name,
+                where=str(source),
+                size=entry.size,
+                sha256=entry.sha256,
+            )
+            names[index] = name
+        published = named_fragments(metadata, names)
+        with self._exclusive():
+            if metadata.lease_epoch is not None:
+                check_fence(
+                    self._lease_now(),
+                    metadata.master or "",
+                    metadata.lease_epoch,
+                    f"{self.description}: publishing outer step {metadata.outer_step}",
+                )
+            for entry in published.fragment_files:
+                if not (self.root / entry.file).is_file():
+                    raise PermanentTransportError(
+                        f"{self.root / entry.file}: listed by the metadata being published "
+                        "but not in the store"
+                    )
+            atomic_write_bytes(self.root / GLOBAL_METADATA, published.dumps())
+        self._prune_fragments({entry.file for entry in published.fragment_files})
+        return published
+
+    def _prune_fragments(self, listed: set[str]) -> None:
+        """Delete old fragment files: never one in ``listed``; per fragment, all but the
+        newest ``KEEP_VERSIONS - 1`` of the others."""
+        directory = self.root / "global"
+        others: dict[int, list[tuple[int, str]]] = {}
+        for name in os.listdir(directory):
+            match = _FRAGMENT_VERSION.match(name)
+            if match and f"global/{name}" not in listed:
+                others.setdefault(int(match.group(1)), []).append((int(match.group(2)), name))
+        for found in others.values():
+            for _, name in sorted(found)[: max(0, len(found) - (KEEP_VERSIONS - 1))]:
+                with contextlib.suppress(FileNotFoundError):
+                    (directory / name).unlink()
+
     def _replace_latest(self, version: Path) -> None:
         latest = self.root / GLOBAL_WEIGHTS
         tmp = latest.with_name(f".{latest.name}.{os.getpid()}.{threading.get_ident()}.link")
@@ -441,6 +515,11 @@ class SharedDirectoryTransport(Transport):
 
     def __repr__(self) -> str:
         return f"SharedDirectoryTransport({str(self.root)!r})"
+
+
+def fragment_file_name(index: int, entry: FragmentFile) -> str:
+    """The immutable store path of fragment ``index``'s file described by ``entry``."""
+    return f"global/fragment{index}-v{entry.outer_step:08d}-{entry.sha256[:12]}.safetensors"
 
 
 def _local_chunks(source: Path) -> Iterator[bytes]:

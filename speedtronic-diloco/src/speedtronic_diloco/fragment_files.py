@@ -1,0 +1,182 @@
+"""Per-fragment global files (streaming fragments, ``distributed.fragments: K``).
+
+With K > 1 the master publishes, per fragment round, one file holding only the fragments that
+round updated (one file each), and metadata whose ``fragment_files`` lists every fragment's
+current file (:class:`~speedtronic_diloco.transports.base.FragmentFile`); the files a round did
+not touch stay as they were. A node downloads only the files of the fragments it will install
+(their version advanced), so at most the fragments that moved are in flight.
+
+**A fragment file** is a safetensors file holding fragment ``j``'s tensors (fragment 0 also
+carries the non-floating tensors: integer and boolean buffers, which the outer step never
+changes), stored in the global codec (``global_compression``), with ``kind: global``,
+``outer_step`` (the fragment's version: the outer step of its last update), ``fragment``,
+``fragment_count``, ``fragment_layout`` and ``master`` in its header, signed when a signing
+key is set.
+
+**Every store file is hostile.** Before a download the size the metadata lists is bounded by
+what the fragment's tensors can take at 8 bytes per element, plus a header allowance
+(:func:`size_limit`); after it the transport has checked
+size and sha256, and :func:`check_fragment_file` checks the header (kind, fragment, layout,
+outer step), the signature (with a key), and the tensors: exactly the fragment's names, each
+with the local shape, a floating dtype for floating tensors, finite values. Each failure is a
+:class:`FragmentFileError` whose message starts with the file's store path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from speedtronic.errors import TransportError
+from speedtronic_diloco.fragments import FRAGMENT_COUNT_META, FRAGMENT_LAYOUT_META, FragmentLayout
+from speedtronic_diloco.signing import SignatureError, verify_file
+from speedtronic_diloco.tensors import TensorDict, is_floating
+from speedtronic_diloco.transports.base import GlobalMetadata
+
+__all__ = [
+    "FRAGMENT_META",
+    "FragmentFileError",
+    "check_fragment_file",
+    "check_fragment_index",
+    "fragment_header",
+    "fragment_tensors",
+    "size_limit",
+]
+
+FRAGMENT_META = "fragment"
+#: Bytes a fragment file may take beyond its tensors' payload: the safetensors header (a
+#: tensor table entry per tensor, the metadata, the signature).
+HEADER_ALLOWANCE = 64 << 10
+HEADER_PER_TENSOR = 512
+
+
+class FragmentFileError(TransportError):
+    """A fragment global file (or the metadata's list of them) is not what this run expects;
+    the message starts with the store path of the file."""
+
+
+def fragment_tensors(
+    weights: Mapping[str, torch.Tensor], layout: FragmentLayout, index: int
+) -> TensorDict:
+    """What fragment ``index``'s file holds: its tensors, and for fragment 0 also every tensor
+    of ``weights`` outside the layout (the non-floating buffers)."""
+    out = layout.select(weights, [index])
+    if index == 0:
+        out.update({k: v for k, v in weights.items() if k not in layout.index})
+    return out
+
+
+def fragment_header(
+    index: int, version: int, layout: FragmentLayout, master: str
+) -> dict[str, str]:
+    """The safetensors metadata of fragment ``index``'s file at ``version``."""
+    return {
+        "kind": "global",
+        "outer_step": str(version),
+        "master": master,
+        FRAGMENT_META: str(index),
+        FRAGMENT_COUNT_META: str(layout.count),
+        FRAGMENT_LAYOUT_META: layout.fingerprint,
+    }
+
+
+def check_fragment_index(
+    metadata: GlobalMetadata, layout: FragmentLayout, versions: Sequence[int] | None
+) -> None:
+    """Raise FragmentFileError unless ``metadata`` lists one file per fragment of ``layout``,
+    each at the fragment's version (``versions``, from ``extra.fragments``) and none newer
+    than the publication itself."""
+    files = metadata.fragment_files
+    if len(files) != layout.count:
+        raise FragmentFileError(
+            f"{metadata.model_file}: the metadata lists {len(files)} fragment files, this run "
+            f"has {layout.count} fragments"
+        )
+    if versions is None or len(versions) != layout.count:
+        raise FragmentFileError(
+            f"{metadata.model_file}: the metadata's fragment versions do not match its "
+            "fragment files (another layout?)"
+        )
+    for index, entry in enumerate(files):
+        if entry.outer_step != versions[index] or entry.outer_step > metadata.outer_step:
+            raise FragmentFileError(
+                f"{entry.file}: fragment {index} is listed at outer step {entry.outer_step}, "
+                f"its version is {versions[index]} and the global's outer step "
+                f"{metadata.outer_step}"
+            )
+
+
+def size_limit(layout: FragmentLayout, index: int, local: Mapping[str, torch.Tensor]) -> int:
+    """The most bytes fragment ``index``'s file may take: its tensors at 8 bytes per element
+    (or their own element size when larger: a master may keep float32 weights for a bf16
+    node), plus the header allowance."""
+    tensors = fragment_tensors(local, layout, index)
+    payload = sum(t.numel() * max(t.element_size(), 8) for t in tensors.values())
+    return payload + HEADER_ALLOWANCE + HEADER_PER_TENSOR * len(tensors)
+
+
+def check_fragment_file(
+    path: Path,
+    where: str,
+    index: int,
+    outer_step: int,
+    layout: FragmentLayout,
+    tensors: Mapping[str, torch.Tensor],
+    header: Mapping[str, str],
+    local: Mapping[str, torch.Tensor],
+    key: bytes | None = None,
+) -> None:
+    """Raise FragmentFileError (message starting with ``where``, the store path) unless the
+    downloaded file ``path`` (its ``tensors`` and ``header`` already read) is fragment
+    ``index`` of ``layout`` at ``outer_step``, signed with ``key`` when given, with exactly
+    that fragment's tensors in the shapes of ``local``, floating where the model's are and
+    finite."""
+    _check_header(where, index, outer_step, layout, header)
+    if key is not None:
+        _check_signature(path, where, index, outer_step, key)
+    expected = fragment_tensors(local, layout, index)
+    missing = sorted(expected.keys() - tensors.keys())[:3]
+    unexpected = sorted(tensors.keys() - expected.keys())[:3]
+    if missing or unexpected:
+        raise FragmentFileError(
+            f"{where}: not fragment {index}'s tensors (missing {missing}, unexpected {unexpected})"
+        )
+    for name, tensor in tensors.items():
+        mine = expected[name]
+        if tensor.shape != mine.shape:
+            raise FragmentFileError(
+                f"{where}: {name} has shape {tuple(tensor.shape)}, the model's is "
+                f"{tuple(mine.shape)}"
+            )
+        if is_floating(mine) != is_floating(tensor):
+            raise FragmentFileError(f"{where}: {name} has dtype {tensor.dtype}, not {mine.dtype}")
+        if is_floating(tensor) and not bool(torch.isfinite(tensor).all()):
+            raise FragmentFileError(f"{where}: {name} has non-finite values")
+
+
+def _check_header(
+    where: str, index: int, outer_step: int, layout: FragmentLayout, header: Mapping[str, str]
+) -> None:
+    wanted = {
+        "kind": "global",
+        "outer_step": str(outer_step),
+        FRAGMENT_META: str(index),
+        FRAGMENT_COUNT_META: str(layout.count),
+        FRAGMENT_LAYOUT_META: layout.fingerprint,
+    }
+    for name, value in wanted.items():
+        found = header.get(name)
+        if found != value:
+            shown = "missing" if found is None else repr(found[:40])
+            raise FragmentFileError(f"{where}: header field {name} is {shown}, expected {value!r}")
+
+
+def _check_signature(path: Path, where: str, index: int, outer_step: int, key: bytes) -> None:
+    try:
+        signed = verify_file(path, key)
+    except SignatureError as exc:
+        raise FragmentFileError(f"{where}: {exc.reason}: {exc}") from None
+    if signed.get(FRAGMENT_META) != str(index) or signed.get("outer_step") != str(outer_step):
+        raise FragmentFileError(f"{where}: signed for another fragment or outer step")
