@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
 TESTS = Path(__file__).parent
+
+# A shell starts a background job (`pytest ... &`, no job control) with SIGINT ignored, and every
+# child inherits that through exec: the graceful stop the tests send (SIGINT) would then do
+# nothing. Catching SIGINT here instead makes children start with the default again.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, str(TESTS))
 
 # Keep every external service offline and out of the user's home directory.

@@ -23,9 +23,8 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -88,24 +87,6 @@ def write_config(
     return path
 
 
-@contextlib.contextmanager
-def _sigint_inheritable() -> Iterator[None]:
-    """While a child is started, SIGINT is not ignored here. A shell starts a background job
-    (``pytest ... &``, no job control) with SIGINT ignored, and a child inherits that through
-    exec: SIGINT, the graceful stop, would then do nothing to the nodes."""
-    ignored = (
-        threading.current_thread() is threading.main_thread()
-        and signal.getsignal(signal.SIGINT) == signal.SIG_IGN
-    )
-    if ignored:
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # SIG_DFL in the child
-    try:
-        yield
-    finally:
-        if ignored:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
 class Node:
     """One ``speedtronic train`` process writing to ``tmp_path / node_id``; ``run`` numbers
     its starts (each has its own log and metrics file)."""
@@ -144,7 +125,7 @@ class Node:
         command += self.extra_args
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **self.extra_env}
         env.pop("SPEEDTRONIC_LOAD_PLUGINS", None)
-        with open(self.log, "wb") as log, _sigint_inheritable():
+        with open(self.log, "wb") as log:
             # A session of its own: kill() ends what it started too (torchrun's ranks).
             self.process = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
