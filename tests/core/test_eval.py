@@ -207,3 +207,27 @@ def test_a_text_holdout_is_never_read_by_training(tmp_path: Path) -> None:
     }
     assert len(held_out) == 4 * 2 and not held_out & trained
     assert len(trained) == blocks - math.ceil(blocks * 0.1)
+
+
+@pytest.mark.parametrize("where", ["holdout", "eval_text"])
+def test_finite_eval_data_is_read_once_not_wrapped_around(
+    tmp_path: Path, where: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    text = tmp_path / "corpus.txt"
+    rng = random.Random(7)
+    text.write_bytes(bytes(rng.randrange(32, 127) for _ in range(16 * 50 + 1)))  # 50 blocks
+    small = tmp_path / "eval.txt"
+    small.write_bytes(bytes(rng.randrange(32, 127) for _ in range(16 * 5 + 1)))  # 5 blocks
+    if where == "holdout":  # 5 held-out blocks: two micro-batches of 2, then they repeat
+        eval_section = {"holdout_fraction": 0.1, "batches": 8}
+    else:
+        eval_section = {"text_path": str(small), "batches": 8}
+    config = run_config(tmp_path, data={"text_path": str(text)}, eval=eval_section)
+    runtime = build_runtime(config, console=False)
+    with caplog.at_level("WARNING", "speedtronic"):
+        batches = runtime.trainer.evaluator._held_out()
+    rows = [tuple(row.tolist()) for batch in batches for row in batch["input_ids"]]
+    assert len(batches) == 2 and len(set(rows)) == len(rows) == 4  # no block counted twice
+    assert "only 2 of eval.batches=8 distinct micro-batches" in caplog.text
+    result = runtime.trainer.evaluator.evaluate(runtime.model, 0)
+    assert result.batches == 2 and result.tokens == 2 * 2 * 16

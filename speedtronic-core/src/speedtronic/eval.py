@@ -93,7 +93,10 @@ class Evaluator:
                 self.source.iterate(0) if hasattr(self.source, "iterate") else iter(self.source)
             )
             cached = []
-            for _ in range(self.batches):
+            # Finite data is read once: a sample that came round again would count twice.
+            epoch = getattr(self.source, "epoch_batches", None)
+            wanted = min(self.batches, epoch) if epoch else self.batches
+            for _ in range(wanted):
                 try:
                     batch = next(iterator)
                 except StopIteration:
@@ -103,7 +106,7 @@ class Evaluator:
                 raise DataError(f"the eval data ({self.description}) yields no batch")
             if len(cached) < self.batches:
                 log.warning(
-                    "the eval data (%s) has only %d of eval.batches=%d micro-batches",
+                    "the eval data (%s) has only %d of eval.batches=%d distinct micro-batches",
                     self.description,
                     len(cached),
                     self.batches,

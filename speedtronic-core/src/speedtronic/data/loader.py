@@ -229,7 +229,7 @@ def _byte_text_source(
         "holdout_fraction": holdout,
         "held_out": held_out,
     }
-    ByteTextStream(path, seq_len, micro, **options)
+    blocks = ByteTextStream(path, seq_len, micro, **options).num_blocks
 
     def iterate(start: int) -> Iterator[Batch]:
         return stream_batches(config, ByteTextStream(path, seq_len, micro, start, **options))
@@ -239,7 +239,8 @@ def _byte_text_source(
     else:
         held = f", last {holdout:.0%} held out for eval" if holdout else ""
         description = f"text {path} (bytes, seq {seq_len}{held})"
-    return DataSource(iterate, description=description)
+    epoch = max(1, blocks // (micro * num_ranks))
+    return DataSource(iterate, description=description, epoch_batches=epoch)
 
 
 MISSING_SEQ_LEN = (

@@ -550,6 +550,7 @@ def shard_source(
     ranks = f", rank {rank} of {num_ranks}" if num_ranks > 1 else ""
     return DataSource(
         iterate,
+        epoch_batches=max(1, windows // (micro_batch_size * num_ranks)),
         description=f"shards {index.directory}/{split} ({len(shards)} shards, "
         f"{index.tokens(split)} {index.dtype} tokens, {windows} windows of seq {seq_len}, "
         f"{order}{ranks})",

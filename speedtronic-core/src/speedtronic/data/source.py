@@ -28,6 +28,9 @@ class DataSource:
     make_iterator: Callable[[int], Iterator[Any]]
     exact_resume: bool = True
     description: str = ""
+    # Micro-batches (of this rank) in one pass over finite data before samples repeat; None
+    # for an endless stream (synthetic) or an unknown size. Evaluation reads at most this many.
+    epoch_batches: int | None = None
 
     def iterate(self, start_sample: int = 0) -> Iterator[Any]:
         """An iterator over micro-batches starting at sample ``start_sample``."""
