@@ -224,6 +224,31 @@ def test_master_aggregates_final_deltas_before_it_stops(
 # --------------------------------------------------------------------------- exact resume
 
 
+def resume(
+    store: MemoryTransport, tmp_path: Path, checkpoint: dict, checkpoint_model: dict
+) -> tuple[DumbDiLoCoCoordinator, torch.nn.Module]:
+    """A restarted process: a fresh model and coordinator loaded from the checkpoint, started."""
+    resumed = make_net(seed=7)
+    resumed.load_state_dict(checkpoint_model)
+    second = DumbDiLoCoCoordinator(
+        dist_config(inner_steps=2), resumed, hub=store, state_dir=tmp_path / "state"
+    )
+    second.load_state_dict(checkpoint)
+    second.start()
+    return second, resumed
+
+
+def assert_deltas_add_up(
+    store: MemoryTransport, steps: list[int], start: dict, model: torch.nn.Module
+) -> None:
+    """The stored deltas of w1 at ``steps`` sum to exactly the progress from ``start``: no
+    progress sent twice, none lost."""
+    now = params(model)
+    for name in start:
+        total = sum(stored_delta(store, "w1", step)[name] for step in steps)
+        torch.testing.assert_close(total, start[name] - now[name])
+
+
 def test_resume_after_an_upload_landed_past_the_checkpoint_sends_nothing_twice(
     tmp_path: Path,
 ) -> None:
@@ -242,21 +267,12 @@ def test_resume_after_an_upload_landed_past_the_checkpoint_sends_nothing_twice(
     release.set()
     assert first.wait_idle(SETTLE)  # it landed after the checkpoint...
     first.stop()  # ...and the process died
-    resumed = make_net(seed=7)
-    resumed.load_state_dict(checkpoint_model)
-    second = DumbDiLoCoCoordinator(
-        dist_config(inner_steps=2), resumed, hub=store, state_dir=tmp_path / "state"
-    )
-    second.load_state_dict(checkpoint)
-    second.start()
+    second, resumed = resume(store, tmp_path, checkpoint, checkpoint_model)
     assert second.state_dict()["pending_delta"] is None
     nudge(resumed, 0.5)
     second.after_optimizer_step(resumed, 4)
     second.stop()
-    total = {k: stored_delta(store, "w1", 2)[k] + stored_delta(store, "w1", 4)[k] for k in start}
-    now = params(resumed)
-    for name, value in total.items():
-        torch.testing.assert_close(value, start[name] - now[name])
+    assert_deltas_add_up(store, [2, 4], start, resumed)
 
 
 def test_a_delta_that_lands_after_the_resume_asked_is_still_not_sent_twice(
@@ -276,22 +292,13 @@ def test_a_delta_that_lands_after_the_resume_asked_is_still_not_sent_twice(
     assert first.wait_idle(SETTLE)
     first.stop()
     late = store.files.pop(delta_path("w1", 2))  # not visible yet when the resumed node asks
-    resumed = make_net(seed=7)
-    resumed.load_state_dict(checkpoint_model)
-    second = DumbDiLoCoCoordinator(
-        dist_config(inner_steps=2), resumed, hub=store, state_dir=tmp_path / "state"
-    )
-    second.load_state_dict(checkpoint)
-    second.start()
+    second, resumed = resume(store, tmp_path, checkpoint, checkpoint_model)
     assert second.state_dict()["pending_delta"] is not None  # still open: asked once
     store.files[delta_path("w1", 2)] = late  # the late commit lands
     nudge(resumed, 0.5)
     second.after_optimizer_step(resumed, 4)
     second.stop()
-    total = {k: stored_delta(store, "w1", 2)[k] + stored_delta(store, "w1", 4)[k] for k in start}
-    now = params(resumed)
-    for name, value in total.items():
-        torch.testing.assert_close(value, start[name] - now[name])
+    assert_deltas_add_up(store, [2, 4], start, resumed)
 
 
 def test_resume_after_a_failed_upload_sends_it_again(tmp_path: Path) -> None:
@@ -311,19 +318,11 @@ def test_resume_after_a_failed_upload_sends_it_again(tmp_path: Path) -> None:
     first.stop()
     assert delta_path("w1", 2) not in store.files
     store._holds.clear()
-    resumed = make_net(seed=7)
-    resumed.load_state_dict(checkpoint_model)
-    second = DumbDiLoCoCoordinator(
-        dist_config(inner_steps=2), resumed, hub=store, state_dir=tmp_path / "state"
-    )
-    second.load_state_dict(checkpoint)
-    second.start()
+    second, resumed = resume(store, tmp_path, checkpoint, checkpoint_model)
     nudge(resumed, 0.5)
     second.after_optimizer_step(resumed, 4)
     second.stop()
-    now = params(resumed)
-    for name, value in stored_delta(store, "w1", 4).items():  # cumulative: nothing lost
-        torch.testing.assert_close(value, start[name] - now[name])
+    assert_deltas_add_up(store, [4], start, resumed)  # cumulative: nothing lost
 
 
 # --------------------------------------------------------------------------- signed globals

@@ -140,6 +140,18 @@ def node(
     return worker, events
 
 
+def published_and_started(
+    tmp_path: Path,
+) -> tuple[Transport, Any, DumbDiLoCoCoordinator, list[tuple[str, dict[str, Any]]]]:
+    """A store with the master's first (every-fragment) publication and a started node."""
+    store = shared(tmp_path)
+    loop = master_loop(store, tmp_path)
+    loop.publish()
+    worker, events = node(store, tmp_path)
+    worker.start()
+    return store, loop, worker, events
+
+
 def step(worker: DumbDiLoCoCoordinator, n: int) -> None:
     worker.after_optimizer_step(worker.model, n)
 
@@ -268,11 +280,7 @@ def test_a_resumed_node_with_an_empty_cache_downloads_only_what_advanced(tmp_pat
 def test_a_node_installs_a_fragment_without_touching_the_others_progress(
     tmp_path: Path,
 ) -> None:
-    store = shared(tmp_path)
-    loop = master_loop(store, tmp_path)
-    loop.publish()
-    worker, _ = node(store, tmp_path)
-    worker.start()
+    store, loop, worker, _ = published_and_started(tmp_path)
     with torch.no_grad():
         for param in worker.model.parameters():
             param.add_(0.5)  # local progress on every fragment
@@ -346,11 +354,7 @@ def other_fragment(tmp_path: Path) -> tuple[str, bytes]:
 def test_a_hostile_fragment_file_is_refused_with_its_name(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, forge: Any, why: str
 ) -> None:
-    store = shared(tmp_path)
-    loop = master_loop(store, tmp_path)
-    loop.publish()
-    worker, events = node(store, tmp_path)
-    worker.start()
+    _, _, worker, events = published_and_started(tmp_path)
     before = cpu_state_dict(worker.model.state_dict())
     file, data = forge(tmp_path)
     forged_global(tmp_path, 1, file, data, 5)
@@ -371,11 +375,7 @@ def test_a_hostile_fragment_file_is_refused_with_its_name(
 def test_a_tampered_fragment_file_is_refused_with_its_name(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    store = shared(tmp_path)
-    loop = master_loop(store, tmp_path)
-    loop.publish()
-    worker, events = node(store, tmp_path)
-    worker.start()
+    store, loop, worker, events = published_and_started(tmp_path)
     before = cpu_state_dict(worker.model.state_dict())
     fragment_round(store, loop, tmp_path, 2, 1)
     file = metadata_json(tmp_path)["fragment_files"][2]["file"]

@@ -67,8 +67,8 @@ from speedtronic_diloco.config import DistributedConfig, distributed_config, res
 from speedtronic_diloco.fragment_files import (
     FragmentFileError,
     check_fragment_file,
-    check_fragment_index,
-    size_limit,
+    check_fragment_metadata,
+    check_listed_size,
 )
 from speedtronic_diloco.fragments import (
     FragmentLayout,
@@ -713,21 +713,14 @@ class DumbDiLoCoCoordinator:
                 return self._refuse_global(
                     metadata, FragmentFileError(f"{metadata.model_file}: {exc}")
                 )
-        info = global_fragment_info(metadata.extra)
         try:
-            if info is None or info[1] != layout.fingerprint:
-                raise FragmentFileError(
-                    f"{metadata.model_file}: fragment layout "
-                    f"{info[1] if info else None!r} differs from this node's "
-                    f"{layout.fingerprint!r} (another model?)"
-                )
-            check_fragment_index(metadata, layout, info[0])
+            versions = check_fragment_metadata(metadata, layout)
         except FragmentFileError as exc:
             return self._refuse_global(metadata, exc)
         if complete or self._fragments is None:
             wanted: tuple[int, ...] = tuple(range(count))
         else:
-            wanted = self._fragments.plan(info)
+            wanted = self._fragments.plan((versions, layout.fingerprint))
         tensors: TensorDict = {}
         for j in wanted:
             part = self._fetch_fragment_file(metadata, layout, j)
@@ -745,12 +738,10 @@ class DumbDiLoCoCoordinator:
         where = view.model_file
         if (where, view.sha256) in self._refused:
             return None
-        limit = size_limit(layout, j, self._baseline)
-        if view.size > limit:
-            problem = (
-                f"{where}: {view.size} bytes listed, more than fragment {j} can take ({limit})"
-            )
-            return self._refuse_global(view, FragmentFileError(problem), metadata.outer_step)
+        try:
+            check_listed_size(view, layout, j, self._baseline)
+        except FragmentFileError as exc:
+            return self._refuse_global(view, exc, metadata.outer_step)
 
         def download(dest: Path) -> bool:
             done, _ = self._retry.attempt(

@@ -30,7 +30,12 @@ from pathlib import Path
 import torch
 
 from speedtronic.errors import TransportError
-from speedtronic_diloco.fragments import FRAGMENT_COUNT_META, FRAGMENT_LAYOUT_META, FragmentLayout
+from speedtronic_diloco.fragments import (
+    FRAGMENT_COUNT_META,
+    FRAGMENT_LAYOUT_META,
+    FragmentLayout,
+    global_fragment_info,
+)
 from speedtronic_diloco.signing import SignatureError, verify_file
 from speedtronic_diloco.tensors import TensorDict, is_floating
 from speedtronic_diloco.transports.base import GlobalMetadata
@@ -40,6 +45,8 @@ __all__ = [
     "FragmentFileError",
     "check_fragment_file",
     "check_fragment_index",
+    "check_fragment_metadata",
+    "check_listed_size",
     "fragment_header",
     "fragment_tensors",
     "size_limit",
@@ -106,6 +113,33 @@ def check_fragment_index(
                 f"its version is {versions[index]} and the global's outer step "
                 f"{metadata.outer_step}"
             )
+
+
+def check_fragment_metadata(metadata: GlobalMetadata, layout: FragmentLayout) -> tuple[int, ...]:
+    """The fragment versions of ``metadata`` (a global published as fragment files), after
+    checking that it was published for ``layout`` and lists one file per fragment at its
+    version (:func:`check_fragment_index`); FragmentFileError otherwise."""
+    info = global_fragment_info(metadata.extra)
+    if info is None or info[1] != layout.fingerprint:
+        raise FragmentFileError(
+            f"{metadata.model_file}: fragment layout {info[1] if info else None!r} differs "
+            f"from this node's {layout.fingerprint!r} (another model?)"
+        )
+    check_fragment_index(metadata, layout, info[0])
+    return info[0]
+
+
+def check_listed_size(
+    view: GlobalMetadata, layout: FragmentLayout, index: int, local: Mapping[str, torch.Tensor]
+) -> None:
+    """Before a download: FragmentFileError when the size the metadata lists for fragment
+    ``index``'s file (``view``) is more than that fragment can take (:func:`size_limit`)."""
+    limit = size_limit(layout, index, local)
+    if view.size > limit:
+        raise FragmentFileError(
+            f"{view.model_file}: {view.size} bytes listed, more than fragment {index} can take "
+            f"({limit})"
+        )
 
 
 def size_limit(layout: FragmentLayout, index: int, local: Mapping[str, torch.Tensor]) -> int:

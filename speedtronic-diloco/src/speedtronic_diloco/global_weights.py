@@ -20,8 +20,12 @@ import torch
 
 from speedtronic.errors import TransportError
 from speedtronic_diloco.config import DistributedConfig
-from speedtronic_diloco.fragment_files import check_fragment_file, check_fragment_index, size_limit
-from speedtronic_diloco.fragments import FragmentLayout, global_fragment_info
+from speedtronic_diloco.fragment_files import (
+    check_fragment_file,
+    check_fragment_metadata,
+    check_listed_size,
+)
+from speedtronic_diloco.fragments import FragmentLayout
 from speedtronic_diloco.signing import SignatureError, resolve_key, verify_file
 from speedtronic_diloco.tensors import TensorDict, cpu_state_dict, load_tensors
 from speedtronic_diloco.transports import GlobalMetadata, Transport, open_transport
@@ -72,23 +76,13 @@ def _read_fragment_files(
 ) -> TensorDict:
     """Every fragment file of ``metadata``, downloaded, bounded and checked, put together."""
     local = cpu_state_dict(model.state_dict())
-    info = global_fragment_info(metadata.extra)
     layout = FragmentLayout.build(local, len(metadata.fragment_files))
-    if info is None or info[1] != layout.fingerprint:
-        raise TransportError(
-            f"{metadata.model_file}: the global's fragment layout does not match this model"
-        )
-    check_fragment_index(metadata, layout, info[0])
+    check_fragment_metadata(metadata, layout)
     tensors: TensorDict = {}
     with tempfile.TemporaryDirectory(prefix="speedtronic-global-") as scratch:
         for j in range(layout.count):
             view = metadata.fragment_view(j)
-            limit = size_limit(layout, j, local)
-            if view.size > limit:
-                raise TransportError(
-                    f"{view.model_file}: {view.size} bytes listed, more than fragment {j} can "
-                    f"take ({limit})"
-                )
+            check_listed_size(view, layout, j, local)
             path = transport.download_global(view, Path(scratch) / f"fragment_{j}.safetensors")
             part, header = load_tensors(path)
             check_fragment_file(

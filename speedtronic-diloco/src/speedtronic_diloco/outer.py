@@ -64,7 +64,7 @@ from speedtronic_diloco.aggregation import (
 from speedtronic_diloco.codecs import CodecError, decode_delta_file, encode_global, is_compressed
 from speedtronic_diloco.fragment_files import (
     FragmentFileError,
-    check_fragment_index,
+    check_fragment_metadata,
     fragment_header,
     fragment_tensors,
 )
@@ -73,7 +73,6 @@ from speedtronic_diloco.fragments import (
     FragmentLayout,
     delta_fragments,
     fragment_view,
-    global_fragment_info,
     step_fragments,
 )
 from speedtronic_diloco.ledger import DeltaLedger, Housekeeper, Verdict
@@ -405,15 +404,13 @@ class MasterOuterLoop:
     def _adopt_fragment_files(self, remote: GlobalMetadata) -> None:
         """Take the versions and files of ``remote`` when they are this layout's (caller
         holds the lock)."""
-        info = global_fragment_info(remote.extra)
-        layout = self.fragments
-        if layout is None or info is None or info[1] != layout.fingerprint:
+        if self.fragments is None:
             return
         try:
-            check_fragment_index(remote, layout, info[0])
+            versions = check_fragment_metadata(remote, self.fragments)
         except FragmentFileError:
             return
-        self.fragment_versions = list(info[0])
+        self.fragment_versions = list(versions)
         self.fragment_files = list(remote.fragment_files)
 
     def continue_after(self, store_step: int) -> None:

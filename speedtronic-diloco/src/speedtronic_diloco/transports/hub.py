@@ -442,27 +442,14 @@ class HubTransport(Transport):
         operations = []
         for index, source in sorted(files.items()):
             entry = published.fragment_files[index]
-            operation = CommitOperationAdd(entry.file, str(source))  # hashes the file once
-            if (operation.upload_info.sha256.hex(), operation.upload_info.size) != (
-                entry.sha256,
-                entry.size,
-            ):
-                raise PermanentTransportError(
-                    f"{source} does not match the sha256/size fragment {index} is published with"
-                )
-            operations.append(operation)
+            what = f"fragment {index} is published with"
+            operations.append(_checked_add(entry.file, source, entry.sha256, entry.size, what))
         return self._commit_global(operations, published)
 
     def _publish(self, weights: Path, published: GlobalMetadata) -> GlobalMetadata:
-        weights_op = CommitOperationAdd(GLOBAL_WEIGHTS, str(weights))  # hashes the file once
-        if (weights_op.upload_info.sha256.hex(), weights_op.upload_info.size) != (
-            published.sha256,
-            published.size,
-        ):
-            raise PermanentTransportError(
-                f"{weights} does not match the sha256/size of the metadata being published"
-            )
-        return self._commit_global([weights_op], published)
+        what = "of the metadata being published"
+        add = _checked_add(GLOBAL_WEIGHTS, weights, published.sha256, published.size, what)
+        return self._commit_global([add], published)
 
     def _commit_global(
         self, files: list[CommitOperationAdd], published: GlobalMetadata
@@ -701,3 +688,14 @@ class HubTransport(Transport):
 
     def close(self) -> None:
         """Nothing to release: connections belong to the client's shared pool."""
+
+
+def _checked_add(
+    path_in_repo: str, source: Path, sha256: str, size: int, what: str
+) -> CommitOperationAdd:
+    """The commit operation adding ``source`` (which hashes the file once), refused when the
+    file is not the one the metadata names (``what`` says which entry)."""
+    operation = CommitOperationAdd(path_in_repo, str(source))
+    if (operation.upload_info.sha256.hex(), operation.upload_info.size) != (sha256, size):
+        raise PermanentTransportError(f"{source} does not match the sha256/size {what}")
+    return operation

@@ -292,13 +292,7 @@ class SharedDirectoryTransport(Transport):
         )
         published = metadata.with_revision(None, model_file=version)
         with self._exclusive():
-            if metadata.lease_epoch is not None:
-                check_fence(
-                    self._lease_now(),
-                    metadata.master or "",
-                    metadata.lease_epoch,
-                    f"{self.description}: publishing outer step {metadata.outer_step}",
-                )
+            self._fence_publication(metadata)
             self._replace_latest(self.root / version)
             atomic_write_bytes(self.root / GLOBAL_METADATA, published.dumps())
         self._prune_versions(keep=version)
@@ -329,13 +323,7 @@ class SharedDirectoryTransport(Transport):
             names[index] = name
         published = named_fragments(metadata, names)
         with self._exclusive():
-            if metadata.lease_epoch is not None:
-                check_fence(
-                    self._lease_now(),
-                    metadata.master or "",
-                    metadata.lease_epoch,
-                    f"{self.description}: publishing outer step {metadata.outer_step}",
-                )
+            self._fence_publication(metadata)
             for entry in published.fragment_files:
                 if not (self.root / entry.file).is_file():
                     raise PermanentTransportError(
@@ -449,6 +437,17 @@ class SharedDirectoryTransport(Transport):
         )
 
     # ------------------------------------------------------------------ lease, storage
+    def _fence_publication(self, metadata: GlobalMetadata) -> None:
+        """Under the writer lock: refuse a publication whose lease epoch is no longer the
+        store's (another master took over)."""
+        if metadata.lease_epoch is not None:
+            check_fence(
+                self._lease_now(),
+                metadata.master or "",
+                metadata.lease_epoch,
+                f"{self.description}: publishing outer step {metadata.outer_step}",
+            )
+
     def _lease_now(self) -> Lease | None:
         path = self.root / LEASE_FILE
         raw = self._read_small(path, LEASE_LIMIT)
