@@ -11,12 +11,14 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from speedtronic import __version__
+from speedtronic.cli_options import add_config_flag, add_set_option, load_config
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.errors import PluginError, SpeedtronicError
 
@@ -37,20 +39,10 @@ __all__ = [
 log = logging.getLogger("speedtronic.cli")
 
 EXIT_USER_ERROR = 2
-
-
-def load_config(args: argparse.Namespace) -> SpeedtronicConfig:
-    """The config a command's ``--config`` names, with its ``--set`` overrides and the
-    shorthands ``--max-steps``, ``--output-dir`` and ``--resume`` applied."""
-    config = SpeedtronicConfig.from_file(args.config)
-    overrides: list[str] = list(getattr(args, "set", None) or [])
-    if getattr(args, "max_steps", None) is not None:
-        overrides.append(f"run.max_steps={args.max_steps}")
-    if getattr(args, "output_dir", None) is not None:
-        overrides.append(f"run.output_dir={json.dumps(args.output_dir)}")
-    if getattr(args, "resume", False):
-        overrides.append("checkpoint.resume=true")
-    return config.with_overrides(overrides) if overrides else config
+# How long `--nproc-per-node`'s launcher waits for signalled ranks to save and exit before it
+# kills them (torchrun's own default is 30 s, short for a large checkpoint).
+LAUNCHER_SHUTDOWN_S = 300
+_LAUNCHER = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -61,6 +53,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from speedtronic.runtime import train_from_config
 
     result = train_from_config(config)
+    if result.stop_signal is not None:
+        return 128 + result.stop_signal  # "did not finish": a scheduler may requeue the run
     loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "n/a"
     resumed = f" (resumed from step {result.resumed_from})" if result.resumed_from else ""
     steps = f"{result.steps} step{'' if result.steps == 1 else 's'}"
@@ -76,6 +70,7 @@ def _launch_ranks(nproc: int, config: SpeedtronicConfig, argv: Sequence[str]) ->
         raise SpeedtronicError(f"--nproc-per-node must be >= 1, got {nproc}")
     if config.parallel.strategy == "none":
         raise SpeedtronicError("--nproc-per-node needs parallel.strategy auto or ddp, not none")
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
@@ -91,9 +86,23 @@ def _launch_ranks(nproc: int, config: SpeedtronicConfig, argv: Sequence[str]) ->
         if arg.startswith("--nproc-per-node="):
             continue
         passed.append(arg)
+    # The launcher forwards these to the ranks (its own list lacks SIGUSR1) and then gives
+    # them time to write their checkpoint before it kills them.
+    stop = config.run.stop_signals
+    handled = [*_LAUNCHER, *(name for name in stop if name not in _LAUNCHER)]
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(handled)
+    launch = ["--standalone", "--nproc-per-node", str(nproc)]
+    launch += ["--shutdown-timeout", str(LAUNCHER_SHUTDOWN_S)]
     try:
-        torchrun(["--standalone", "--nproc-per-node", str(nproc), "-m", "speedtronic", *passed])
+        torchrun([*launch, "-m", "speedtronic", *passed])
+    except SignalException as exc:
+        # The ranks got the signal from the launcher, saved and exited; so does the launcher.
+        return 128 + int(exc.sigval)
     except ChildFailedError as exc:
+        codes = {f.exitcode for f in exc.failures.values()}
+        stopped = {128 + int(getattr(signal, name)) for name in stop}
+        if len(codes) == 1 and codes <= stopped:  # every rank was signalled and stopped
+            return codes.pop()
         failures = ", ".join(f"rank {rank}: exit {f.exitcode}" for rank, f in exc.failures.items())
         raise SpeedtronicError(f"a rank failed ({failures}); see its error above") from None
     return 0
@@ -155,17 +164,6 @@ def _add_plugin_commands(sub: argparse._SubParsersAction) -> None:
         )
 
     call_each(get_plugin_manager().hook.register_commands, {"subparsers": sub}, lose_commands)
-
-
-def add_set_option(parser: argparse.ArgumentParser) -> None:
-    """``--set KEY=VALUE`` (repeatable), the dotted config override every command that reads a
-    config takes; read it back with :func:`load_config`."""
-    parser.add_argument(
-        "--set",
-        action="append",
-        metavar="KEY=VALUE",
-        help="override a dotted config key, value parsed as YAML (repeatable)",
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -239,17 +237,6 @@ def _all_commands(sub: argparse._SubParsersAction) -> Iterator[argparse.Argument
         for action in command._actions:
             if isinstance(action, argparse._SubParsersAction):
                 yield from _all_commands(action)
-
-
-def add_config_flag(parser: argparse.ArgumentParser, flag: str, override: str, help: str) -> None:
-    """A switch ``flag`` on ``parser`` that stands for ``--set override``: a plugin gives
-    ``speedtronic train`` a flag for one of its config keys, e.g. ``add_config_flag(
-    subparsers.choices["train"], "--take-over", "distributed.take_over=true", ...)`` in its
-    ``register_commands`` hook. :func:`load_config` applies it in command-line order with the
-    ``--set`` options (the last one of a key wins)."""
-    if "=" not in override:
-        raise ValueError(f"override {override!r} is not KEY=VALUE")
-    parser.add_argument(flag, dest="set", action="append_const", const=override, help=help)
 
 
 GLOBAL_FLAGS: dict[str, dict[str, Any]] = {

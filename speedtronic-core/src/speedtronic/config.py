@@ -71,6 +71,25 @@ class RunConfig(Section):
         "unset keeps torch's default (all cores, or $OMP_NUM_THREADS). Set 1 when several "
         "training processes share one machine's cores.",
     )
+    stop_signals: list[str] = option(
+        default_factory=lambda: ["SIGTERM", "SIGINT"],
+        help="Signals that stop the run cleanly: the step in progress finishes, a checkpoint "
+        "is saved at it, and the process exits with 128 + the signal number (a second signal "
+        "aborts at once). Add `SIGUSR1` for SLURM's `--signal`; `[]` leaves signals alone.",
+    )
+
+    def validate(self) -> None:
+        import signal
+
+        for index, name in enumerate(self.stop_signals):
+            if name in ("SIGKILL", "SIGSTOP") or not isinstance(
+                getattr(signal, str(name), None), signal.Signals
+            ):
+                raise ConfigError(
+                    f"{name!r} is not a signal a process can handle (SIGTERM, SIGINT, "
+                    "SIGUSR1, ...)",
+                    f"stop_signals[{index}]",
+                )
 
 
 @dataclass
@@ -175,11 +194,6 @@ class DataConfig(Section):
                 f"must be an import path like package.module:factory, got {self.dataset!r:.80}",
                 "dataset",
             )
-
-    @property
-    def accumulation_steps(self) -> int:
-        """Micro-batches per optimizer step."""
-        return (self.target_batch_size or self.micro_batch_size) // self.micro_batch_size
 
 
 @dataclass
@@ -303,6 +317,18 @@ class CheckpointConfig(Section):
         False,
         help="With resume: start from scratch even if checkpoints exist but none is usable "
         "(otherwise that is an error).",
+    )
+    every_seconds: float | None = option(
+        None,
+        gt=0,
+        help="Also save when this many seconds passed since the last save (checked at step "
+        "boundaries; the ranks of a data-parallel run agree); unset: steps only.",
+    )
+    async_save: bool = option(
+        False,
+        help="Copy the state to CPU memory at the save step and write it in a background "
+        "thread while training goes on (one write in flight; a failure is raised at the next "
+        "step). The run's end and a stop signal wait for it.",
     )
     save_final: bool = option(True, help="Save at the end of a successful fit.")
     save_retry_pause: float = option(

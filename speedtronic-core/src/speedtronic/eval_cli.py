@@ -11,7 +11,7 @@ import json
 import math
 from typing import Any
 
-from speedtronic.cli import add_set_option, load_config
+from speedtronic.cli_options import add_set_option, load_config
 from speedtronic.errors import CheckpointError, PluginError
 
 __all__ = ["add_eval_command", "cmd_eval"]

@@ -13,7 +13,7 @@ import logging
 import sys
 from typing import Any
 
-from speedtronic.cli import add_set_option, load_config
+from speedtronic.cli_options import add_set_option, load_config
 
 __all__ = ["DTYPE_CHOICES", "FORMAT_CHOICES", "add_model_commands", "cmd_export", "cmd_generate"]
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from speedtronic.batch import label_mode
-from speedtronic.checkpoint import CheckpointManager
+from speedtronic.checkpoint import CheckpointManager, SavePolicy
 from speedtronic.compile import CompiledModel
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.data import DataSource
@@ -144,8 +144,7 @@ def build_parts(
         scaler=precision.grad_scaler(device),
         optimizer=optimizer,
         scheduler=scheduler,
-        checkpoints=checkpoints
-        or CheckpointManager(config.checkpoint_dir, config.checkpoint.keep_last),
+        checkpoints=_checkpoint_manager(config, checkpoints, parallel),
         metrics=metric_logger if metric_logger is not None else MetricLogger(),
         plugin_manager=plugin_manager if plugin_manager is not None else get_plugin_manager(),
         compiled=CompiledModel(ddp if ddp is not None else model, config.compile),
@@ -156,6 +155,20 @@ def build_parts(
         ddp=ddp,
         accumulation_steps=accumulation,
     )
+
+
+def _checkpoint_manager(
+    config: SpeedtronicConfig, given: CheckpointManager | None, parallel: ParallelContext
+) -> CheckpointManager:
+    """The run's manager: a given one keeps its directory and retention but saves when the
+    config's ``checkpoint`` section says, among this run's ranks."""
+    policy = SavePolicy.from_config(config.checkpoint)
+    if given is None:
+        return CheckpointManager(
+            config.checkpoint_dir, config.checkpoint.keep_last, policy=policy, parallel=parallel
+        )
+    given.policy, given.parallel = policy, parallel
+    return given
 
 
 def accumulation_steps(config: SpeedtronicConfig, world_size: int = 1) -> int:

@@ -341,10 +341,6 @@ def provided_by(name: str, plugin: Any, hooks: tuple[str, ...]) -> tuple[str, ..
     import argparse
 
     provides = [f"model {model}" for model in getattr(plugin, "MODEL_NAMES", ())]
-    if name == "speedtronic.registry":
-        from speedtronic.registry import registered_models
-
-        provides += [f"model {model}" for model in registered_models()]
     others = [p for p in pm.get_plugins() if p is not plugin]
 
     def ignore(plugin_name: str, exc: Exception) -> None:

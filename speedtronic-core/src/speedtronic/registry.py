@@ -62,6 +62,14 @@ def registered_models() -> list[str]:
     return sorted(_FACTORIES)
 
 
+def __getattr__(name: str) -> Any:
+    # This module is a plugin (plugins.DEFAULT_PLUGINS) and, like any plugin, lists the model
+    # names it answers for in MODEL_NAMES; here the list changes as models are registered.
+    if name == "MODEL_NAMES":
+        return tuple(registered_models())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 @hookimpl
 def build_model(name: str, params: dict[str, Any]) -> Any:
     """Answer for names registered with :func:`register_model` and for import paths

@@ -29,8 +29,13 @@ from speedtronic.batch import (
     loss_of,
     move_to,
 )
-from speedtronic.checkpoint import CheckpointManager, checkpoint_name, rng_state, set_rng_state
-from speedtronic.checkpoint.fileio import probe_writable
+from speedtronic.checkpoint import (
+    CheckpointManager,
+    SavedCheckpoint,
+    checkpoint_name,
+    rng_state,
+    set_rng_state,
+)
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.data import DataSource, repeat_epochs
 from speedtronic.errors import CheckpointError, DataError, SpeedtronicError
@@ -38,6 +43,7 @@ from speedtronic.metrics import MetricLogger, ThroughputMeter, process_memory_mb
 from speedtronic.optim import reset_optimizer_state
 from speedtronic.parts import TrainingParts, build_parts
 from speedtronic.plugins import call_each
+from speedtronic.stopping import StopRequest, StopSignals
 
 __all__ = [
     "MAX_CONSECUTIVE_SKIPS",
@@ -62,6 +68,10 @@ class TrainResult:
     elapsed_s: float = 0.0
     resumed_from: int | None = None
     summary: dict[str, Any] = field(default_factory=dict)
+    stopped: bool = False
+    """True when the run stopped early (a stop signal or ``request_stop()``), checkpointed."""
+    stop_signal: int | None = None
+    """The signal that stopped it; the CLI exits with 128 + this number."""
 
 
 # The keys of a `step` event; a model-returned metric of the same name is logged as model/<name>.
@@ -213,7 +223,7 @@ class Trainer:
         # The lowest eval loss so far and its step (checkpoint.keep_best); checkpointed.
         self.best_eval: tuple[float, int] | None = None
         self._last_eval_step: int | None = None
-        self._last_saved_step: int | None = None
+        self._stop = StopRequest()
         self.accumulation_steps = parts.accumulation_steps
         self.parallel = parts.parallel
         self.ddp = parts.ddp
@@ -324,45 +334,38 @@ class Trainer:
         self.plugin_manager.hook.on_load_checkpoint(trainer=self, state=state.get("plugins") or {})
 
     def save_checkpoint(self) -> Path:
-        """Durably write a checkpoint of the current state; returns its directory.
+        """Durably write a checkpoint of the current state now; returns its directory.
 
         A failed save (disk full, I/O error) is retried once after
         ``checkpoint.save_retry_pause`` seconds; a second failure raises
         :class:`CheckpointError`, with the previous checkpoints intact and this trainer's state
         still in memory (a caller may free space and call this again)."""
+        saved = self.checkpoints.save_now(self.step, self._checkpoint_state)
+        self._report_saved([saved])
+        return saved.path
+
+    def request_stop(self) -> None:
+        """Stop the run after the optimizer step in progress, with a checkpoint at that step,
+        as a stop signal does (safe to call from another thread or a hook)."""
+        self._stop.request()
+
+    def _checkpoint_state(self) -> dict[str, Any]:
         state = self.state_dict()
         if self.parallel.enabled:
             # Every rank's generators, so a resume with the same world size continues each
-            # rank exactly; rank 0 alone writes, the others wait for it.
+            # rank exactly (a collective: every rank builds the state, rank 0 writes it).
             state["rng_per_rank"] = self.parallel.gather(state["rng"])
-            problem = None
-            if self.parallel.is_main:
-                try:
-                    self._save_with_retry(state)
-                except CheckpointError as exc:
-                    problem = str(exc)
-            problem = self.parallel.broadcast(problem)
-            if problem:
-                raise CheckpointError(problem)
-            path = self.checkpoints.directory / checkpoint_name(self.step)
-        else:
-            path = self._save_with_retry(state)
-        log.debug("checkpoint at step %d: %s", self.step, path)
-        self._last_saved_step = self.step
-        self.emit("checkpoint", {"step": self.step, "path": str(path)})
-        return path
+        return state
+
+    def _report_saved(self, saved: list[SavedCheckpoint]) -> None:
+        for checkpoint in saved:
+            log.debug("checkpoint at step %d: %s", checkpoint.step, checkpoint.path)
+            self.emit("checkpoint", {"step": checkpoint.step, "path": str(checkpoint.path)})
 
     def _resume(self) -> None:
         """Load the newest usable checkpoint; no checkpoint at all means a fresh start."""
-        try:
-            loaded = self.checkpoints.load_latest(check=check_trainer_state)
-        except CheckpointError as exc:
-            if not self.config.checkpoint.allow_fresh_start:
-                raise
-            log.warning("%s; starting fresh because checkpoint.allow_fresh_start is set", exc)
-            return
+        loaded = self.checkpoints.resume_point(check=check_trainer_state)
         if loaded is None:
-            log.info("no checkpoint in %s yet; starting fresh", self.checkpoints.directory)
             return
         self.load_state_dict(loaded.state)
         self.resumed_from = loaded.step
@@ -380,59 +383,6 @@ class Trainer:
         if self._resumed_rng is not None:
             set_rng_state(self._resumed_rng)
             self._resumed_rng = None
-
-    def _save_with_retry(self, state: dict[str, Any]) -> Path:
-        try:
-            return self.checkpoints.save(self.step, state)
-        except CheckpointError as exc:
-            pause = self.config.checkpoint.save_retry_pause
-            log.warning("%s; retrying once in %.0f s", exc, pause)
-            time.sleep(pause)
-            return self.checkpoints.save(self.step, state)
-
-    def _checked_on_main(self, check: Any) -> None:
-        """Run a check of the checkpoint directory on rank 0 only (other ranks would race its
-        writes) and fail every rank with its error."""
-        problem = None
-        if self.parallel.is_main:
-            try:
-                check()
-            except CheckpointError as exc:
-                if not self.parallel.enabled:
-                    raise
-                problem = str(exc)
-        problem = self.parallel.broadcast(problem)
-        if problem:
-            raise CheckpointError(problem)
-
-    def _check_checkpoints_writable(self) -> None:
-        """Find an unwritable checkpoint directory now, not at the final save of a long run."""
-        config = self.config.checkpoint
-        if not (config.interval or config.save_final):
-            return
-        try:
-            probe_writable(self.checkpoints.directory)
-        except OSError as exc:
-            raise CheckpointError(
-                f"cannot write checkpoints to {self.checkpoints.directory} "
-                f"({exc.strerror or exc}); fix its permissions or free space, or point "
-                "checkpoint.directory / run.output_dir elsewhere"
-            ) from None
-
-    def _refuse_to_overwrite_checkpoints(self) -> None:
-        """A fresh run never overwrites another run's checkpoints: it would replace their
-        ``latest.json`` and same-numbered steps."""
-        config = self.config.checkpoint
-        if not (config.interval or config.save_final) or self.step:
-            return  # nothing to write, or this trainer continuing its own run in memory
-        existing = self.checkpoints.candidates()
-        if existing:
-            raise CheckpointError(
-                f"{self.checkpoints.directory} already holds checkpoints (up to "
-                f"{existing[0].name}) from an earlier run; pass --resume "
-                "(checkpoint.resume: true) to continue it, or choose another --output-dir "
-                "(run.output_dir) for a new run, or delete that directory to start over"
-            )
 
     # ------------------------------------------------------------------ loop
     def _batches(self) -> Iterator[Any]:
@@ -527,34 +477,31 @@ class Trainer:
         return self.scaler.get_scale() >= scale_before, grad_norm
 
     def fit(self) -> TrainResult:
-        """Train until ``run.max_steps`` (a global target: a resumed run continues to it)."""
+        """Train until ``run.max_steps`` (a global target: a resumed run continues to it), or
+        until a stop signal or :meth:`request_stop` (a checkpoint at the last step, then
+        ``TrainResult.stopped``)."""
         # Not emptied here: a Python caller may have restored plugins' state with
         # load_state_dict() before calling fit().
         try:
-            return self._fit()
+            try:
+                return self._fit()
+            finally:
+                self.checkpoints.close()  # a background write is never left half done
+                self.metrics.close()
         finally:
             self.plugin_state = {}
 
     def _fit(self) -> TrainResult:
         self.model.train()
         if self.config.checkpoint.resume:
-            try:
-                self._resume()
-            except BaseException:
-                self.metrics.close()
-                raise
+            self._resume()
         else:
-            try:
-                self._checked_on_main(self._refuse_to_overwrite_checkpoints)
-            except BaseException:
-                self.metrics.close()
-                raise
+            self.checkpoints.refuse_to_overwrite(self.step)
         max_steps = self.config.run.max_steps
         if self.step >= max_steps:
             message = f"run already finished: step {self.step} >= run.max_steps {max_steps}"
             log.info(message)
             self.emit("already_finished", {"step": self.step, "max_steps": max_steps})
-            self.metrics.close()
             return TrainResult(
                 self.step,
                 None,
@@ -563,11 +510,7 @@ class Trainer:
                 resumed_from=self.resumed_from,
                 summary={"message": message},
             )
-        try:
-            self._checked_on_main(self._check_checkpoints_writable)
-        except BaseException:
-            self.metrics.close()
-            raise
+        self.checkpoints.start_run()
 
         error: BaseException | None = None
         started = time.perf_counter()
@@ -587,11 +530,16 @@ class Trainer:
                     "config": self.config.to_dict(redact=True),
                 },
             )
-            final_loss = self._loop(max_steps)
-            if self.config.checkpoint.save_final and self._last_saved_step != self.step:
-                self.save_checkpoint()
-            if self.config.eval.runs_at_end and self._last_eval_step != self.step:
-                self.evaluate()
+            with StopSignals(self.config.run.stop_signals, self._stop):
+                final_loss = self._loop(max_steps)
+                if not self._stop.agreed:
+                    self._report_saved(
+                        self.checkpoints.maybe_save(self.step, self._checkpoint_state, final=True)
+                    )
+                    if self.config.eval.runs_at_end and self._last_eval_step != self.step:
+                        self.evaluate()
+                # Never return (nor exit 0) with a checkpoint still being written.
+                self._report_saved(self.checkpoints.wait())
         except BaseException as exc:
             error = exc
             raise
@@ -606,20 +554,19 @@ class Trainer:
                 "weights_replaced": self.weights_replaced,
                 "status": "ok" if error is None else f"error: {type(error).__name__}",
             }
+            if error is None and self._stop.agreed:
+                summary["status"] = "stopped"
             # train_end goes out before the hooks so that sinks closing in on_train_end
             # still record the summary.
             self.emit("train_end", summary)
-            try:
-                # Every plugin gets to release its resources, even when another one raises.
-                call_each(
-                    self.plugin_manager.hook.on_train_end,
-                    {"trainer": self, "error": error},
-                    lambda name, exc: log.error(
-                        "plugin %r failed in on_train_end (%s: %s)", name, type(exc).__name__, exc
-                    ),
-                )
-            finally:
-                self.metrics.close()
+            # Every plugin gets to release its resources, even when another one raises.
+            call_each(
+                self.plugin_manager.hook.on_train_end,
+                {"trainer": self, "error": error},
+                lambda name, exc: log.error(
+                    "plugin %r failed in on_train_end (%s: %s)", name, type(exc).__name__, exc
+                ),
+            )
         return TrainResult(
             self.step,
             final_loss,
@@ -628,11 +575,32 @@ class Trainer:
             elapsed,
             self.resumed_from,
             summary,
+            stopped=self._stop.agreed,
+            stop_signal=self._stop.signal,
         )
 
-    def _saved_at(self, step: int) -> bool:
-        interval = self.config.checkpoint.interval
-        return bool(interval) and step % interval == 0
+    def _stop_now(self) -> None:
+        """The ranks agreed to stop after this step: save it, wait for the write, say so."""
+        by = self._stop.reason
+        if self.checkpoints.policy.writes:
+            saved = self.checkpoints.maybe_save(self.step, self._checkpoint_state, force=True)
+            self._report_saved(saved + self.checkpoints.wait())
+            path: str | None = str(self.checkpoints.directory / checkpoint_name(self.step))
+            log.info(
+                "stopped by %s at step %d; checkpoint saved to %s; resume with --resume",
+                by,
+                self.step,
+                path,
+            )
+        else:
+            path = None
+            log.info(
+                "stopped by %s at step %d; no checkpoint (checkpoint.interval is 0 and "
+                "save_final is false)",
+                by,
+                self.step,
+            )
+        self.emit("stopped", {"signal": self._stop.signal_name, "step": self.step, "path": path})
 
     def _loop(self, max_steps: int) -> float | None:
         log_every = self.config.logging.log_every
@@ -692,14 +660,17 @@ class Trainer:
                     },
                 )
                 meter.reset()
-            if self._saved_at(self.step):
-                # Checkpoint time is not training time: keep it out of the step rates.
-                with meter.paused():
-                    self.save_checkpoint()
+            # Checkpoint time is not training time: keep it out of the step rates.
+            with meter.paused():
+                self._report_saved(self.checkpoints.maybe_save(self.step, self._checkpoint_state))
             every = self.config.eval.every
             if self.evaluator is not None and every and self.step % every == 0:
                 with meter.paused():  # nor is evaluation
                     self.evaluate()
+            if self._stop.agree(self.parallel):
+                with meter.paused():
+                    self._stop_now()
+                break
         return last_loss
 
     def evaluate(self) -> Any:
@@ -715,8 +686,10 @@ class Trainer:
             self.best_eval is None or result.loss < self.best_eval[0]
         ):
             self.best_eval = (result.loss, self.step)
-            if self._last_saved_step != self.step:
+            if self.checkpoints.last_saved_step != self.step:
                 self.save_checkpoint()
+            else:
+                self._report_saved(self.checkpoints.wait())  # best.json names complete ones
             if self.parallel.is_main:
                 self.checkpoints.mark_best(self.step, result.loss)
             log.info("best eval loss so far: %.4f at step %d", result.loss, self.step)

@@ -29,7 +29,7 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -39,7 +39,9 @@ from torch import Tensor
 from speedtronic import ConfigError
 from speedtronic.checkpoint.fileio import read_regular, regular_file_problem
 from speedtronic_models.config import TransformerConfig
-from speedtronic_models.model import ReferenceTransformer
+
+if TYPE_CHECKING:  # annotations only: model.py imports this module for init_from
+    from speedtronic_models.model import ReferenceTransformer
 
 __all__ = [
     "CONFIG_FILE",

@@ -15,6 +15,7 @@ from speedtronic.checkpoint.manager import (
     checkpoint_name,
     step_of,
 )
+from speedtronic.checkpoint.policy import SavedCheckpoint, SavePolicy
 from speedtronic.checkpoint.rng import rng_state, set_rng_state
 
 __all__ = [
@@ -26,6 +27,8 @@ __all__ = [
     "TENSORS",
     "CheckpointManager",
     "LoadedCheckpoint",
+    "SavePolicy",
+    "SavedCheckpoint",
     "checkpoint_name",
     "rng_state",
     "set_rng_state",
