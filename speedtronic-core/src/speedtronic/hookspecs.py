@@ -109,7 +109,7 @@ def on_load_checkpoint(trainer: TrainerLike, state: dict[str, Any]) -> None:
 def on_metric(trainer: TrainerLike, event: str, payload: dict[str, Any]) -> None:
     """Receive one metric event of the run ``trainer``: ``"train_start"``, ``"step"``,
     ``"checkpoint"``, ``"train_end"``, ``"optimizer_step_skipped"``, ``"resumed"``,
-    ``"already_finished"``, or a plugin event such as ``"outer_step"``.
+    ``"already_finished"``, ``"stopped"``, or a plugin event such as ``"outer_step"``.
 
     ``payload`` is a mapping of JSON-compatible values that carries ``step`` where one applies;
     do not mutate it. Keep per-run sinks in ``trainer.plugin_state[<your name>]``, so two runs in
