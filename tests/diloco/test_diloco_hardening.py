@@ -6,8 +6,8 @@ and a secret is never accepted, nor echoed, as a node id."""
 from __future__ import annotations
 
 import json
-import logging
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +26,17 @@ from speedtronic_diloco.codecs import (
     encode_delta,
 )
 from speedtronic_diloco.config import DistributedConfig
+from speedtronic_diloco.lease import LeaseHeldError, LeaseKeeper, describe_lease
 from speedtronic_diloco.outer import MasterOuterLoop
+from speedtronic_diloco.retry import RetryPolicy
+from speedtronic_diloco.status import collect_status, summary_lines
 from speedtronic_diloco.tensors import cpu_state_dict, save_tensors
-from speedtronic_diloco.transports import delta_path
+from speedtronic_diloco.timestamps import format_utc, parse_timestamp
+from speedtronic_diloco.transports import GLOBAL_METADATA, GlobalMetadata, delta_path
+from speedtronic_diloco.transports.base import LEASE_FILE
+from speedtronic_diloco.transports.shared_dir import SharedDirectoryTransport
+
+NO_WAIT = RetryPolicy(retries=0, backoff=0.0)
 
 # ----------------------------------------------------------------------------- codecs (L2)
 
@@ -166,5 +174,106 @@ def test_an_ordinary_bad_node_id_is_still_shown() -> None:
         DistributedConfig(node_id="a/b", signing_key=KEY)
 
 
-# silence unused-import warnings for names used only by later sections
-_ = (logging, threading)
+# ----------------------------------------------------------------------------- leases (M1, L1)
+
+YEAR = 365 * 86_400.0
+
+
+def store_with_lease(tmp_path: Path, **fields: Any) -> SharedDirectoryTransport:
+    """A shared-directory store whose ``lease.json`` is what a forger (or a far-off clock)
+    wrote: another master's lease with ``fields``."""
+    store = SharedDirectoryTransport(tmp_path / "store")
+    store.create_store()
+    lease = {"format": 1, "holder": "ghost", "epoch": 7, "instance": "x", "released": False}
+    lease.update(fields)
+    (tmp_path / "store" / LEASE_FILE).write_text(json.dumps(lease))
+    return store
+
+
+def acquire_within(keeper: LeaseKeeper, seconds: float = 60.0) -> Any:
+    """``keeper.acquire()`` in a thread: a wait that would last a year fails the test instead
+    of hanging it."""
+    outcome: dict[str, Any] = {}
+    stop = threading.Event()
+
+    def run() -> None:
+        try:
+            outcome["lease"] = keeper.acquire(stop)
+        except BaseException as exc:  # handed to the test below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        stop.set()
+        thread.join(10)
+        pytest.fail("acquire() was still waiting for the lease")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["lease"]
+
+
+def test_take_over_of_a_lease_a_year_ahead_does_not_wait(tmp_path: Path) -> None:
+    store = store_with_lease(tmp_path, expires_at=time.time() + YEAR, renewed_at=time.time())
+    taken = acquire_within(LeaseKeeper(store, "m2", ttl=120.0, take_over=True, retry=NO_WAIT))
+    assert (taken.holder, taken.epoch) == ("m2", 8)
+    assert store.read_lease() == taken
+
+
+def test_a_lease_a_year_ahead_is_refused_at_once_without_take_over(tmp_path: Path) -> None:
+    store = store_with_lease(tmp_path, expires_at=time.time() + YEAR)
+    with pytest.raises(LeaseHeldError) as refused:
+        acquire_within(LeaseKeeper(store, "m2", ttl=120.0, retry=NO_WAIT))
+    message = str(refused.value)
+    assert LEASE_FILE in message and "expires_at" in message and "lease_ttl" in message
+    assert "--take-over" in message
+    assert store.read_lease().holder == "ghost"
+
+
+def test_a_lease_within_ttl_and_skew_is_still_waited_for(tmp_path: Path) -> None:
+    # 30 s beyond a 1 s ttl: within the skew slack, so a live lease (refused without take_over).
+    store = store_with_lease(tmp_path, expires_at=time.time() + 31.0)
+    with pytest.raises(LeaseHeldError, match=r"expires in 3\d s .* holds the lease"):
+        LeaseKeeper(store, "m2", ttl=1.0, retry=NO_WAIT).acquire()
+
+
+@pytest.mark.parametrize("field", ["expires_at", "renewed_at"])
+@pytest.mark.parametrize("value", [1e18, -1e18])
+@pytest.mark.parametrize("take_over", [False, True])
+def test_absurd_lease_times_name_the_file_and_field(
+    tmp_path: Path, field: str, value: float, take_over: bool
+) -> None:
+    times = {"expires_at": time.time() + 60.0, "renewed_at": time.time(), field: value}
+    store = store_with_lease(tmp_path, **times)
+    mine = LeaseKeeper(store, "m2", ttl=120.0, take_over=take_over, retry=NO_WAIT)
+    if take_over:
+        assert acquire_within(mine).epoch == 8
+        return
+    with pytest.raises(LeaseHeldError) as refused:
+        acquire_within(mine)
+    message = str(refused.value)
+    assert f"{LEASE_FILE}: {field}" in message and "not a time" in message
+    assert "Errno" not in message
+    described = describe_lease(store.read_lease())  # describing it never raises
+    assert ("not a time" in described) == (field == "expires_at")
+
+
+@pytest.mark.parametrize("value", [1e18, -1e18])
+def test_status_names_an_absurd_published_at(tmp_path: Path, value: float) -> None:
+    store = SharedDirectoryTransport(tmp_path / "store")
+    store.create_store()
+    metadata = GlobalMetadata(outer_step=3, sha256="0" * 64, size=1, published_at=value)
+    (tmp_path / "store" / GLOBAL_METADATA).write_bytes(metadata.dumps())
+    status = collect_status(store)
+    assert status.published_at is None
+    assert any("step_count.json: published_at" in p for p in status.problems)
+    assert any(line.startswith("published") for line in summary_lines(status))
+
+
+def test_parse_timestamp() -> None:
+    assert parse_timestamp(None, "f", "t") is None and parse_timestamp(5, "f", "t") == 5.0
+    for bad in (1e18, -1.0, float("nan"), float("inf"), "12", True, 10**400):
+        with pytest.raises(ValueError, match=r"^f: t "):
+            parse_timestamp(bad, "f", "t")
+    assert format_utc(0.0) == "1970-01-01 00:00:00 UTC" and "not a time" in format_utc(1e18)
