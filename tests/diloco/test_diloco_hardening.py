@@ -6,6 +6,9 @@ and a secret is never accepted, nor echoed, as a node id."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -277,3 +280,68 @@ def test_parse_timestamp() -> None:
         with pytest.raises(ValueError, match=r"^f: t "):
             parse_timestamp(bad, "f", "t")
     assert format_utc(0.0) == "1970-01-01 00:00:00 UTC" and "not a time" in format_utc(1e18)
+
+
+def master_config(tmp_path: Path, store: Path, **distributed: Any) -> Path:
+    config = {
+        "run": {"name": "lease", "seed": 0, "device": "cpu", "max_steps": 6, "threads": 1},
+        "model": {
+            "name": "reference_transformer",
+            "vocab_size": 32,
+            "max_seq_len": 16,
+            "n_layer": 1,
+            "n_head": 2,
+            "n_kv_head": 1,
+            "d_model": 16,
+        },
+        "data": {"micro_batch_size": 2},
+        "checkpoint": {"interval": 0, "save_final": False},
+        "logging": {"log_every": 1000, "progress": False},
+        "distributed": {
+            "enabled": True,
+            "role": "master",
+            "node_id": "m2",
+            "repo_id": str(store),
+            "inner_steps": 3,
+            "poll_interval": 0.2,
+            "round_timeout": 1.0,
+            "lease_ttl": 30.0,
+            "retry_backoff": 0.05,
+            "max_retries": 1,
+            **distributed,
+        },
+    }
+    path = tmp_path / "master.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def train(config: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("SPEEDTRONIC_LOAD_PLUGINS", None)
+    command = [sys.executable, "-m", "speedtronic", "train", "--config", str(config), *extra]
+    # A generous bound: the bug this guards against was a wait of a year.
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.mark.slow
+def test_train_take_over_against_a_forged_lease_neither_hangs_nor_crashes(tmp_path: Path) -> None:
+    """Real ``speedtronic train`` masters: a lease at -1e18 is one error line naming the file
+    and field; ``--take-over`` of a lease a year ahead takes it at once and trains."""
+    store = store_with_lease(tmp_path, expires_at=-1e18)
+    refused = train(
+        master_config(tmp_path, tmp_path / "store"), "--output-dir", str(tmp_path / "a")
+    )
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "Traceback" not in refused.stderr and "Errno" not in refused.stderr
+    assert f"{LEASE_FILE}: expires_at" in refused.stderr
+
+    ahead = {"expires_at": time.time() + YEAR, "renewed_at": time.time()}
+    (tmp_path / "store" / LEASE_FILE).write_text(
+        json.dumps({"format": 1, "holder": "ghost", "epoch": 7, **ahead})
+    )
+    config = master_config(tmp_path, tmp_path / "store")
+    done = train(config, "--take-over", "--output-dir", str(tmp_path / "b"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    lease = store.read_lease()
+    assert (lease.holder, lease.epoch) == ("m2", 8)
