@@ -63,6 +63,13 @@ class RunConfig(Section):
         100, ge=1, help="Global optimizer-step target; a resumed run continues up to it."
     )
     output_dir: str = option("runs/speedtronic", help="Directory for checkpoints and logs.")
+    max_nan_steps: int | None = option(
+        20,
+        ge=1,
+        help="Stop the run with an error once this many optimizer steps in a row had a NaN or "
+        "infinite loss (counted on the device, read every quarter of that many steps); null: "
+        "never stop for it.",
+    )
     threads: int | None = option(
         None,
         ge=1,

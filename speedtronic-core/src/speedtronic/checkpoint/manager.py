@@ -22,6 +22,7 @@ in a warning and the next older one is tried.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -41,6 +42,7 @@ from speedtronic.checkpoint.fileio import (
     atomic_write_text,
     fsync_dir,
     fsync_file,
+    probe_writable,
     read_regular,
     sha256_chunks,
 )
@@ -224,6 +226,25 @@ class CheckpointManager:
         # just written is durable, so any such file is garbage.
         for stale in self.directory.glob(f".{POINTER}.*.tmp"):
             stale.unlink(missing_ok=True)
+
+    def check_writable(self, best: bool = False) -> None:
+        """Prove, before a run trains, that its saves can write every path they will: the
+        directory (a probe file is created, fsynced, renamed and removed), ``latest.json``
+        (and ``best.json`` with ``best``), which a save replaces by a rename that fails if a
+        directory stands there, and the ``step_NNNNNNNN`` names, where a dangling symlink
+        makes the rename of a new checkpoint fail. Raises ``OSError`` naming the path."""
+        probe_writable(self.directory)
+        for name in (POINTER, BEST_POINTER) if best else (POINTER,):
+            path = self.directory / name
+            if path.is_dir() and not path.is_symlink():
+                raise IsADirectoryError(
+                    errno.EISDIR, "a directory stands where a save writes", str(path)
+                )
+        for path in self.directory.iterdir():
+            if step_of(path.name) is not None and path.is_symlink() and not path.exists():
+                raise FileExistsError(
+                    errno.EEXIST, "a dangling symlink stands where a save writes", str(path)
+                )
 
     # ------------------------------------------------------------------ reading
     def candidates(self) -> list[Path]:
