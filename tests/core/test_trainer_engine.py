@@ -410,7 +410,8 @@ def test_no_host_sync_per_micro_batch(tmp_path, monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, counting(name))
     config = make_config(
         tmp_path,
-        run={"max_steps": 8},
+        # max_nan_steps large here: its count is read every max_nan_steps // 4 steps (below).
+        run={"max_steps": 8, "max_nan_steps": 1000},
         logging={"log_every": 4},
         data={"micro_batch_size": 2, "target_batch_size": 8},
     )
@@ -418,6 +419,16 @@ def test_no_host_sync_per_micro_batch(tmp_path, monkeypatch):
     trainer.fit()
     # 8 steps x 4 micro-batches, two log events: one loss read and one grad-norm read each.
     assert sorted(reads) == ["item"] * 4
+    reads.clear()
+    config = make_config(
+        tmp_path / "nan",
+        run={"max_steps": 8, "max_nan_steps": 8},
+        logging={"log_every": 4},
+        data={"micro_batch_size": 2, "target_batch_size": 8},
+    )
+    make_trainer(Bigram(), config).fit()
+    # ... plus one read of the non-finite-step count every 8 // 4 = 2 steps.
+    assert sorted(reads) == ["item"] * 8
 
 
 # ------------------------------------------------------------------ data and result

@@ -47,6 +47,9 @@ _LAUNCHER = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
 def cmd_train(args: argparse.Namespace) -> int:
     """``speedtronic train``: validate, build and run; print a one-line summary."""
+    from speedtronic.launcher import die_with_launcher
+
+    die_with_launcher()  # a rank of `--nproc-per-node`: never outlive the launcher
     config = load_config(args)  # before importing torch: a config error should be instant
     if getattr(args, "nproc_per_node", None) and "WORLD_SIZE" not in os.environ:
         return _launch_ranks(args.nproc_per_node, config, args.argv)
@@ -86,6 +89,10 @@ def _launch_ranks(nproc: int, config: SpeedtronicConfig, argv: Sequence[str]) ->
         if arg.startswith("--nproc-per-node="):
             continue
         passed.append(arg)
+    from speedtronic.launcher import LAUNCHER_PID_ENV
+
+    # The ranks die with this process (speedtronic.launcher), even when it is SIGKILLed.
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     # The launcher forwards these to the ranks (its own list lacks SIGUSR1) and then gives
     # them time to write their checkpoint before it kills them.
     stop = config.run.stop_signals

@@ -63,6 +63,13 @@ class RunConfig(Section):
         100, ge=1, help="Global optimizer-step target; a resumed run continues up to it."
     )
     output_dir: str = option("runs/speedtronic", help="Directory for checkpoints and logs.")
+    max_nan_steps: int | None = option(
+        20,
+        ge=1,
+        help="Stop the run with an error once this many optimizer steps in a row had a NaN or "
+        "infinite loss (counted on the device, read every quarter of that many steps); null: "
+        "never stop for it.",
+    )
     threads: int | None = option(
         None,
         ge=1,
@@ -92,12 +99,29 @@ class RunConfig(Section):
                 )
 
 
+#: Keys that cannot be model parameters (see ModelConfig).
+RESERVED_MODEL_PARAMS = ("name", "params")
+
+
 @dataclass
 class ModelConfig:
     """The ``model`` section: a registered ``name`` plus free parameters for its factory."""
 
     name: str = "reference_transformer"
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # The factory is called as build(name, **params): a parameter called ``name`` would
+        # collide with the model's name, one called ``params`` would not survive to_dict().
+        for key in self.params:
+            if not isinstance(key, str):
+                raise ConfigError(f"parameter names must be strings, got {key!r}"[:200], "model")
+            if key in RESERVED_MODEL_PARAMS:
+                raise ConfigError(
+                    "is a reserved key (model.name names the model, model.params holds its "
+                    "parameters); rename the parameter",
+                    f"model.params.{key}",
+                )
 
     @classmethod
     def from_mapping(cls, data: Any) -> ModelConfig:
@@ -698,6 +722,9 @@ def _is_file(text: str) -> bool:
 MAX_CONFIG_BYTES = 4 << 20
 # Sections nest two or three levels; a document nested deeper than this is not a config.
 MAX_CONFIG_DEPTH = 32
+# A config holds a few hundred values; YAML aliases can make a 300-byte document stand for
+# billions of them, which every later walk over the config would visit.
+MAX_CONFIG_NODES = 100_000
 
 
 def check_plain_data(data: Any, path: str = "", depth: int = 0) -> None:
@@ -761,9 +788,62 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def _expanded_size(root: yaml.Node, limit: int) -> int:
+    """How many nodes ``root`` stands for once every alias is expanded (counted with one
+    visit per distinct node, so a "billion laughs" document is measured, not expanded);
+    counts saturate just past ``limit``."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+    # Iterative post-order walk: a document nested deeply must not exhaust the Python stack.
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        key = id(node)
+        if key in sizes:
+            continue
+        if isinstance(node, yaml.SequenceNode):
+            children = list(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            children = [part for pair in node.value for part in pair]
+        else:
+            sizes[key] = 1
+            continue
+        if children_done:
+            total = 1 + sum(sizes.get(id(child), 0) for child in children)
+            sizes[key] = min(total, limit + 1)
+            open_nodes.discard(key)
+            continue
+        if key in open_nodes:
+            continue  # an alias of an enclosing node: a recursive document (too deep later)
+        open_nodes.add(key)
+        stack.append((node, True))
+        stack.extend((child, False) for child in children if id(child) not in sizes)
+    return sizes[id(root)]
+
+
+def load_yaml(text: str) -> Any:
+    """Parse one YAML document with the strict loader (duplicate keys and non-scalar keys are
+    errors) after checking that its aliases do not expand it past :data:`MAX_CONFIG_NODES`
+    values. Raises ConfigError for those; YAML's own errors pass through."""
+    loader = _StrictLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        size = _expanded_size(node, MAX_CONFIG_NODES)
+        if size > MAX_CONFIG_NODES:
+            raise ConfigError(
+                f"its aliases expand it to more than {MAX_CONFIG_NODES:,} values (a config "
+                "holds a few hundred)"
+            )
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
 def _parse(text: str, origin: str, yaml_ok: bool) -> Any:
     try:
-        data = yaml.load(text, Loader=_StrictLoader) if yaml_ok else json.loads(text)
+        data = load_yaml(text) if yaml_ok else json.loads(text)
     except ConfigError as exc:
         raise ConfigError(f"cannot parse {origin}: {exc}") from None
     except yaml.MarkedYAMLError as exc:
@@ -794,7 +874,11 @@ def _split_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
         if not sep or not key.strip():
             raise ConfigError(f"override {raw!r} must look like dotted.key=value")
         try:
-            parsed = yaml.safe_load(value) if value.strip() else ""
+            parsed = load_yaml(value) if value.strip() else ""
+        except ConfigError as exc:
+            raise ConfigError(
+                f"cannot parse the value of override {key.strip()!r}: {exc}"
+            ) from None
         except yaml.YAMLError:  # not YAML (e.g. "a: b: c"): take the text as it is
             parsed = value
         except (RecursionError, ValueError, TypeError, OverflowError):

@@ -18,7 +18,7 @@ import operator
 import re
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal, Union
 
 from speedtronic.errors import ConfigError
@@ -35,6 +35,7 @@ __all__ = [
     "option",
     "section_to_dict",
     "unknown_key_error",
+    "without_secrets",
 ]
 
 _TRUE = {"true", "yes", "on", "1"}
@@ -98,7 +99,27 @@ class Section:
             object.__setattr__(self, field.name, value)
         validate = getattr(self, "validate", None)
         if validate is not None:
-            validate()
+            try:
+                validate()
+            except ConfigError as exc:
+                secrets = [getattr(self, f.name) for f in fields if f.metadata.get("secret")]
+                raise without_secrets(exc, secrets) from None
+
+
+def without_secrets(error: ConfigError, secrets: Iterable[Any]) -> ConfigError:
+    """``error`` with every occurrence of a secret value (a non-empty string among
+    ``secrets``) in its message replaced by ``<redacted>``: a credential put into another
+    field is never echoed back by that field's check."""
+    message = error.message
+    for secret in secrets:
+        if not isinstance(secret, str) or not secret.strip():
+            continue
+        # As given, and as repr() shows it (escaped backslashes and quotes).
+        for shown in (secret, repr(secret)[1:-1]):
+            message = message.replace(shown, REDACTED)
+    if message == error.message:
+        return error
+    return ConfigError(message, error.path)
 
 
 _SECRET_NAME = re.compile(r"token|secret|passw|api_?key|credential|auth", re.IGNORECASE)

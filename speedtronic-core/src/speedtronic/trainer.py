@@ -239,6 +239,9 @@ class Trainer:
         self._resumed_rng: dict[str, Any] | None = None
         self._step_aux: dict[str, torch.Tensor] = {}
         self._consecutive_skips = 0
+        # Optimizer steps in a row whose loss was not finite (a device scalar; run.max_nan_steps).
+        self._nan_steps = torch.zeros((), dtype=torch.int64)
+        # Held on rank 0 while fit() runs: one live run per checkpoint directory.
 
     # ------------------------------------------------------------------ events
     def emit(self, event: str, payload: dict[str, Any]) -> None:
@@ -631,6 +634,7 @@ class Trainer:
             self.scheduler.step()
             self.step += 1
             meter.count_step(step_loss, self._step_aux)
+            self._count_nan_step(step_loss)
             self.metrics.progress(self.step)
 
             replaced = self.plugin_manager.hook.after_optimizer_step(
@@ -694,6 +698,27 @@ class Trainer:
                 self.checkpoints.mark_best(self.step, result.loss)
             log.info("best eval loss so far: %.4f at step %d", result.loss, self.step)
         return result
+
+    def _count_nan_step(self, loss: torch.Tensor) -> None:
+        """Count optimizer steps in a row with a non-finite loss (on the device: no sync), and
+        stop the run once ``run.max_nan_steps`` failed in a row. The count is read every
+        quarter of that (one host sync, not one per step); every rank reads it at the same
+        step, as the mean of the ranks' counts, so all stop together."""
+        limit = self.config.run.max_nan_steps
+        if not limit:
+            return
+        finite = torch.isfinite(loss.detach())
+        self._nan_steps = torch.where(finite, 0, self._nan_steps.to(loss.device) + 1)
+        if self.step % max(1, limit // 4):
+            return
+        count = float(self.parallel.mean(self._nan_steps.float()).item())
+        if count >= limit:
+            raise SpeedtronicError(
+                f"the loss was NaN or infinite for the last {int(count)} optimizer steps (step "
+                f"{self.step}; run.max_nan_steps is {limit}): training has diverged or the "
+                "weights are not finite (lower optimizer.lr, add optimizer.grad_clip, try "
+                "precision.mode fp32, or check the data and init_from weights)"
+            )
 
     def _skipped_step(self) -> None:
         """Report a GradScaler overflow; the step, scheduler and plugins do not advance."""

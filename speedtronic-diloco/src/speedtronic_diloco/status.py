@@ -20,11 +20,11 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import Any
 
 from speedtronic.cli import add_set_option, load_config
 from speedtronic.errors import ConfigError, TransportError
+from speedtronic_diloco.timestamps import format_utc, parse_timestamp, timestamp_problem
 
 __all__ = ["RunStatus", "add_status_command", "cmd_status", "collect_status", "render_status"]
 
@@ -92,7 +92,12 @@ def collect_status(transport: Any, now: float | None = None) -> RunStatus:
     metadata = _attempt(status, "global metadata", transport.read_global_metadata)
     if metadata is not None:
         status.outer_step = metadata.outer_step
-        status.published_at = metadata.published_at
+        try:
+            status.published_at = parse_timestamp(
+                metadata.published_at, "global/step_count.json", "published_at"
+            )
+        except ValueError as exc:
+            status.problems.append(f"global metadata: {exc}")
         status.master = metadata.master
         status.lease_epoch = metadata.lease_epoch
         status.deltas_included = metadata.deltas_included
@@ -109,6 +114,12 @@ def collect_status(transport: Any, now: float | None = None) -> RunStatus:
         status.problems.append(f"lease: {exc}")
         lease = None
     if lease is not None:
+        for name in ("expires_at", "renewed_at"):
+            value = getattr(lease, name)
+            if value is not None and timestamp_problem(value) is not None:
+                status.problems.append(
+                    f"lease: global/lease.json: {name} {timestamp_problem(value)}"
+                )
         if lease.released:
             state = "released"
         else:
@@ -217,7 +228,7 @@ def _size(count: int | None) -> str:
 def _when(moment: float | None) -> str:
     if moment is None:
         return DASH
-    return datetime.fromtimestamp(moment, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return format_utc(moment)  # a forged published_at is shown, not raised
 
 
 def _cell(value: Any) -> str:

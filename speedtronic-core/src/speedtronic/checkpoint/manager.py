@@ -22,6 +22,7 @@ in a warning and the next older one is tried.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -47,6 +48,7 @@ from speedtronic.checkpoint.fileio import (
     sha256_chunks,
 )
 from speedtronic.checkpoint.policy import BackgroundWrite, SavedCheckpoint, SavePolicy
+from speedtronic.checkpoint.runlock import RunLock
 from speedtronic.errors import CheckpointError
 from speedtronic.parallel import SINGLE_PROCESS, ParallelContext
 
@@ -149,6 +151,8 @@ class CheckpointManager:
         self._last_save_time = self.clock()
         self._in_flight: BackgroundWrite | None = None
         self._unreported: list[SavedCheckpoint] = []
+        # Held from start_run to close: no second live run writes this directory.
+        self._run_lock: RunLock | None = None
 
     # ------------------------------------------------------------------ a run's saves
     def resume_point(self, check: Callable[[Any], None] | None = None) -> LoadedCheckpoint | None:
@@ -192,13 +196,17 @@ class CheckpointManager:
             if not self.policy.writes:
                 return
             try:
-                probe_writable(self.directory)
+                self.check_writable(best=self.policy.keep_best)
             except OSError as exc:
+                where = f": {exc.filename}" if exc.filename else ""
                 raise CheckpointError(
                     f"cannot write checkpoints to {self.directory} "
-                    f"({exc.strerror or exc}); fix its permissions or free space, or point "
-                    "checkpoint.directory / run.output_dir elsewhere"
+                    f"({exc.strerror or exc}{where}); fix its permissions or free space (or "
+                    "move that path away), or point checkpoint.directory / run.output_dir "
+                    "elsewhere"
                 ) from None
+            if self._run_lock is None:
+                self._run_lock = RunLock.acquire(self.directory)
 
         self._on_main(check)
         self._last_save_time = self.clock()
@@ -255,12 +263,14 @@ class CheckpointManager:
         """Wait for a background write without raising (a run failing for another reason): the
         process never exits while a checkpoint is half written."""
         job, self._in_flight = self._in_flight, None
-        if job is None:
-            return
-        try:
-            job.result()
-        except Exception as exc:
-            log.error("the background checkpoint write of step %d failed: %s", job.step, exc)
+        if job is not None:
+            try:
+                job.result()
+            except Exception as exc:
+                log.error("the background checkpoint write of step %d failed: %s", job.step, exc)
+        lock, self._run_lock = self._run_lock, None
+        if lock is not None:
+            lock.release()
 
     def _join(self) -> None:
         if not self.policy.async_save:
@@ -443,6 +453,25 @@ class CheckpointManager:
         # just written is durable, so any such file is garbage.
         for stale in self.directory.glob(f".{POINTER}.*.tmp"):
             stale.unlink(missing_ok=True)
+
+    def check_writable(self, best: bool = False) -> None:
+        """Prove, before a run trains, that its saves can write every path they will: the
+        directory (a probe file is created, fsynced, renamed and removed), ``latest.json``
+        (and ``best.json`` with ``best``), which a save replaces by a rename that fails if a
+        directory stands there, and the ``step_NNNNNNNN`` names, where a dangling symlink
+        makes the rename of a new checkpoint fail. Raises ``OSError`` naming the path."""
+        probe_writable(self.directory)
+        for name in (POINTER, BEST_POINTER) if best else (POINTER,):
+            path = self.directory / name
+            if path.is_dir() and not path.is_symlink():
+                raise IsADirectoryError(
+                    errno.EISDIR, "a directory stands where a save writes", str(path)
+                )
+        for path in self.directory.iterdir():
+            if step_of(path.name) is not None and path.is_symlink() and not path.exists():
+                raise FileExistsError(
+                    errno.EEXIST, "a dangling symlink stands where a save writes", str(path)
+                )
 
     # ------------------------------------------------------------------ reading
     def candidates(self) -> list[Path]:

@@ -30,6 +30,7 @@ class SavePolicy:
     retry_pause: float = 0.0
     allow_fresh_start: bool = False
     async_save: bool = False
+    keep_best: bool = False  # best.json is written too: its path is checked before training
 
     @classmethod
     def from_config(cls, section: Any) -> SavePolicy:
@@ -41,6 +42,7 @@ class SavePolicy:
             retry_pause=section.save_retry_pause,
             allow_fresh_start=section.allow_fresh_start,
             async_save=section.async_save,
+            keep_best=bool(section.keep_best),
         )
 
     @property

@@ -327,6 +327,20 @@ def _locked(out: Path) -> Iterator[None]:
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
+@contextlib.contextmanager
+def _removed_on_failure(out: Path | None) -> Iterator[None]:
+    """A failed prepare leaves no trace of an ``--out`` it created itself: its lock file goes,
+    then the directory, if nothing else is in it (the lock is released by then)."""
+    try:
+        yield
+    except BaseException:
+        if out is not None:
+            with contextlib.suppress(OSError):
+                (out / _LOCK_NAME).unlink(missing_ok=True)
+                out.rmdir()  # only when empty: never someone else's files
+        raise
+
+
 def _check_replaceable(out: Path) -> None:
     """Refuse, before any work, an ``--out`` whose contents a prepare would destroy without
     them being a prepare's output: someone else's ``index.json``, or a file where the
@@ -470,6 +484,7 @@ def prepare(
     tasks = group_tasks(plan_pieces(files, read, task_bytes, skips), task_bytes)
     options = TaskOptions(read, append_eos, int(eval_fraction * 2**64))
 
+    created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -477,7 +492,7 @@ def prepare(
     documents = dict.fromkeys(SPLITS, 0)
     tokens = dict.fromkeys(SPLITS, 0)
     empty = input_bytes = 0
-    with _locked(out):
+    with _removed_on_failure(out if created else None), _locked(out):
         for stale in out.glob(_STAGING_PREFIX + "*"):
             shutil.rmtree(stale, ignore_errors=True)  # left by a killed prepare
         staging = Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=out))
