@@ -32,6 +32,7 @@ __all__ = [
     "load_config",
     "load_plugin_modules",
     "main",
+    "step_window",
 ]
 
 log = logging.getLogger("speedtronic.cli")
@@ -41,7 +42,7 @@ EXIT_USER_ERROR = 2
 
 def load_config(args: argparse.Namespace) -> SpeedtronicConfig:
     """The config a command's ``--config`` names, with its ``--set`` overrides and the
-    shorthands ``--max-steps``, ``--output-dir`` and ``--resume`` applied."""
+    shorthands ``--max-steps``, ``--output-dir``, ``--resume`` and ``--profile`` applied."""
     config = SpeedtronicConfig.from_file(args.config)
     overrides: list[str] = list(getattr(args, "set", None) or [])
     if getattr(args, "max_steps", None) is not None:
@@ -50,6 +51,9 @@ def load_config(args: argparse.Namespace) -> SpeedtronicConfig:
         overrides.append(f"run.output_dir={json.dumps(args.output_dir)}")
     if getattr(args, "resume", False):
         overrides.append("checkpoint.resume=true")
+    if getattr(args, "profile", None) is not None:
+        start, end = args.profile
+        overrides += [f"profile.start={start}", f"profile.end={end}"]
     return config.with_overrides(overrides) if overrides else config
 
 
@@ -188,6 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="data parallel on this machine: start N ranks (DDP) through torch's elastic "
         "launcher, as torchrun does",
     )
+    train.add_argument(
+        "--profile",
+        type=step_window,
+        metavar="START:END",
+        help="profile optimizer steps START to END (inclusive) with torch.profiler: a Chrome "
+        "trace in <output_dir>/profile/ and the top operators logged (profile.start/end)",
+    )
     add_set_option(train)
     train.set_defaults(handler=cmd_train)
 
@@ -219,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     from speedtronic.export_cli import add_model_commands
 
     add_model_commands(sub)  # `speedtronic export`, `speedtronic generate`
+    from speedtronic.plot_cli import add_plot_command
+
+    add_plot_command(sub)  # `speedtronic plot`
     _add_plugin_commands(sub)
     # `--debug` and `--plugin` are also accepted after the command name, plugin commands and
     # nested ones (`speedtronic diloco status --debug`) included: main() reads --plugin before
@@ -239,6 +253,19 @@ def _all_commands(sub: argparse._SubParsersAction) -> Iterator[argparse.Argument
         for action in command._actions:
             if isinstance(action, argparse._SubParsersAction):
                 yield from _all_commands(action)
+
+
+def step_window(text: str) -> tuple[int, int]:
+    """``START:END`` (or one step ``N``) as a pair of optimizer steps, for ``--profile``."""
+    start_text, sep, end_text = text.partition(":")
+    try:
+        start = int(start_text)
+        end = int(end_text) if sep else start
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected START:END steps, got {text!r}") from None
+    if start < 1 or end < start:
+        raise argparse.ArgumentTypeError(f"expected 1 <= START <= END, got {text!r}")
+    return start, end
 
 
 def add_config_flag(parser: argparse.ArgumentParser, flag: str, override: str, help: str) -> None:
