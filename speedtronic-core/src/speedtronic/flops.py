@@ -234,8 +234,11 @@ def measure_flops(
 ) -> FlopsReport:
     """Count ``model``'s FLOPs per token (its own ``flops_per_token(seq_len)`` when it has
     one, else on ``batch``, else on one ``[1, seq_len]`` token sample) and find the peak
-    (``peak_tflops`` as given, else :func:`device_peak_tflops`). Never raises: a model that
-    cannot be counted gets ``flops_per_token=None`` and one warning."""
+    (``peak_tflops`` as given, else :func:`device_peak_tflops`). Activation checkpointing
+    (a model's ``gradient_checkpointing`` switched by ``set_gradient_checkpointing``) is off
+    while counting: the count is the model's arithmetic without the recomputation, as MFU is
+    defined. Never raises: a model that cannot be counted gets ``flops_per_token=None`` and
+    one warning."""
     report = FlopsReport(
         parameters=trainable_parameters(model),
         peak_tflops=peak_tflops
@@ -244,6 +247,11 @@ def measure_flops(
         world_size=world_size,
     )
     method = _model_method(model)
+    checkpointing = getattr(model, "gradient_checkpointing", None) is True and callable(
+        getattr(model, "set_gradient_checkpointing", None)
+    )
+    if checkpointing:
+        model.set_gradient_checkpointing(False)
     try:
         if method is not None:
             value = float(method(seq_len))
@@ -264,6 +272,9 @@ def measure_flops(
             type(exc).__name__,
             str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "",
         )
+    finally:
+        if checkpointing:
+            model.set_gradient_checkpointing(True)
     return report
 
 
@@ -272,8 +283,7 @@ def measure_run_flops(trainer: Any) -> FlopsReport:
 
     The sample is the first micro-batch of a list of batches when the run trains on one (its
     shape, never its values), else one ``[1, seq_len]`` token sample shaped as the built-in
-    sources shape theirs. Activation checkpointing is switched off while counting, so the
-    count is the model's arithmetic without the recomputation (as MFU is defined)."""
+    sources shape theirs."""
     from speedtronic.parts import model_limits
 
     config = trainer.config
@@ -283,21 +293,12 @@ def measure_run_flops(trainer: Any) -> FlopsReport:
     if isinstance(data, (list, tuple)) and data:
         batch = data[0]
     seq_len = config.data.seq_len or model_limits(model, config.model.params)["seq_len"]
-    checkpointing = getattr(model, "gradient_checkpointing", None) is True and callable(
-        getattr(model, "set_gradient_checkpointing", None)
+    return measure_flops(
+        model,
+        seq_len=seq_len,
+        label_mode=trainer.label_mode,
+        batch=batch,
+        device=trainer.device,
+        peak_tflops=config.run.peak_tflops,
+        world_size=trainer.parallel.world_size,
     )
-    if checkpointing:
-        model.set_gradient_checkpointing(False)
-    try:
-        return measure_flops(
-            model,
-            seq_len=seq_len,
-            label_mode=trainer.label_mode,
-            batch=batch,
-            device=trainer.device,
-            peak_tflops=config.run.peak_tflops,
-            world_size=trainer.parallel.world_size,
-        )
-    finally:
-        if checkpointing:
-            model.set_gradient_checkpointing(True)

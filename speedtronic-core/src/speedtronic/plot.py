@@ -140,9 +140,7 @@ def read_run(path: str | os.PathLike[str]) -> RunHistory:
     if not records:
         raise DataError(f"{file} holds no metric events (is it a speedtronic metrics file?)")
     fresh = [
-        i
-        for i, r in enumerate(records)
-        if r["event"] == "train_start" and not r.get("start_step")
+        i for i, r in enumerate(records) if r["event"] == "train_start" and not r.get("start_step")
     ]
     if fresh:
         records = records[fresh[-1] :]
