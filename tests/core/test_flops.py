@@ -158,3 +158,11 @@ def test_rates_divide_by_the_world_size_and_leave_mfu_out_without_a_peak() -> No
 
 def test_no_peak_is_guessed_off_cuda() -> None:
     assert device_peak_tflops("cpu") is None
+
+
+def test_the_progress_bars_line_shows_tflops_and_mfu() -> None:
+    from speedtronic.metrics import live_line
+
+    line = live_line({"loss": 2.0, "tokens_per_sec": 1000.0, "tflops": 312.5, "mfu": 0.4567})
+    assert line == "loss 2.0000  tok/s 1,000  TFLOP/s 312  MFU 45.7%"
+    assert "MFU" not in live_line({"loss": 2.0, "tflops": 1.0})
