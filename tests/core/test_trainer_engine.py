@@ -89,7 +89,8 @@ def test_tuple_batches_are_passed_as_inputs_and_labels(tmp_path):
 
     class Positional(Bigram):
         def forward(self, inputs, labels):  # positional names differ from the dict keys
-            seen.append((inputs.shape, labels.shape))
+            if inputs.device.type != "meta":  # not the FLOP count's call at train start
+                seen.append((inputs.shape, labels.shape))
             return self.loss(inputs, labels)
 
     inputs = torch.randint(0, VOCAB, (2, SEQ))

@@ -1,11 +1,13 @@
 """How much arithmetic a run does: FLOPs per token, achieved TFLOP/s and MFU.
 
 At train start :func:`measure_flops` counts the FLOPs of one micro-batch's forward and backward
-with :class:`torch.utils.flop_counter.FlopCounterMode` on the real model, with its parameters
-and buffers swapped for meta tensors (shapes only: nothing is computed or allocated, so it costs
-milliseconds even for a large model). A model the meta device cannot run (a tensor kept outside
-its parameters and buffers, a data-dependent branch) is counted again on one sample on its own
-device, with its buffers, gradients and random generators left as they were. A model that
+with :class:`torch.utils.flop_counter.FlopCounterMode` on the real model's code, run on a
+shadow of it whose parameters and buffers are meta tensors (shapes only: nothing is computed or
+allocated, so it costs milliseconds even for a large model; a deep copy that shares no Python
+state, so a counter or cache on the model does not see the call). A model the meta device
+cannot run (a tensor kept outside its parameters and buffers, a data-dependent branch) is
+counted again on one sample on its own device, with its buffers, gradients and random
+generators left as they were. A model that
 defines ``flops_per_token(seq_len)`` is asked instead. A model the counter cannot trace at all
 gets ``None`` and one warning; training goes on without ``tflops`` and ``mfu``.
 
@@ -16,6 +18,7 @@ MFU (``tflops / peak``, Chowdhery et al., PaLM, 2022, appendix B).
 
 from __future__ import annotations
 
+import copy
 import logging
 import re
 from collections.abc import Callable, Mapping
@@ -25,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from speedtronic.batch import batch_size_and_tokens, loss_of
+from speedtronic.batch import batch_size_and_tokens, call_model, loss_of
 
 __all__ = [
     "PEAK_BF16_TFLOPS",
@@ -111,64 +114,47 @@ def _on_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def _arguments(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``call_model``'s conventions as positional and keyword arguments."""
-    if isinstance(batch, Mapping):
-        return (), dict(batch)
-    if isinstance(batch, (tuple, list)):
-        return tuple(batch[:2]), {}
-    return (batch,), {}
+def _substitutes(model: nn.Module, meta: bool) -> dict[int, torch.Tensor]:
+    """A stand-in for each parameter and buffer, by the original's id (a tied weight gets one):
+    meta tensors of the same shapes, or detached views of the weights (autograd leaves of
+    their own, so nothing reaches ``.grad``) and copies of the buffers (a batch-norm's running
+    statistics stay as they were)."""
+    found: dict[int, torch.Tensor] = {}
+    for param in model.parameters():
+        data = torch.empty_like(param, device="meta") if meta else param.detach()
+        found[id(param)] = nn.Parameter(data, requires_grad=param.requires_grad)
+    for buffer in model.buffers():
+        found[id(buffer)] = (
+            torch.empty_like(buffer, device="meta") if meta else buffer.detach().clone()
+        )
+    return found
 
 
-def _count(model: nn.Module, batch: Any, tensors: dict[str, torch.Tensor]) -> int:
-    """FLOPs of ``model``'s forward and backward on ``batch`` with ``tensors`` in place of its
-    parameters and buffers; the gradients go to ``torch.autograd.grad``, never to ``.grad``."""
+def _count(model: nn.Module, batch: Any, meta: bool) -> int:
+    """FLOPs of one forward and backward of ``model`` on ``batch``, run on a shadow of the model
+    holding stand-ins for its tensors (a deep copy that shares nothing but the Python code, so
+    counters and caches on the model do not see the call), or through ``functional_call`` on
+    the model itself when it cannot be copied. The gradients go to ``torch.autograd.grad``."""
     from torch.func import functional_call
     from torch.utils.flop_counter import FlopCounterMode
 
-    args, kwargs = _arguments(batch)
-    trainable = list(
-        {
-            id(tensors[name]): tensors[name]
-            for name, p in model.named_parameters(remove_duplicate=False)
-            if p.requires_grad
-        }.values()
-    )
+    stand_ins = _substitutes(model, meta)
+    trainable = [t for t in stand_ins.values() if isinstance(t, nn.Parameter) and t.requires_grad]
+    try:
+        shadow: Any = copy.deepcopy(model, memo=dict(stand_ins))
+    except Exception:
+        named = dict(model.named_parameters(remove_duplicate=False))
+        named.update(dict(model.named_buffers(remove_duplicate=False)))
+        tensors = {name: stand_ins[id(tensor)] for name, tensor in named.items()}
+
+        def shadow(*args: Any, **kwargs: Any) -> Any:
+            return functional_call(model, tensors, args, kwargs, tie_weights=False)
+
     with FlopCounterMode(display=False) as counter:
-        loss = loss_of(functional_call(model, tensors, args=args, kwargs=kwargs, tie_weights=False))
+        loss = loss_of(call_model(shadow, batch))
         if trainable:
             torch.autograd.grad(loss, trainable, allow_unused=True)
     return int(counter.get_total_flops())
-
-
-def _meta_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        tensors[name] = torch.empty_like(param, device="meta").requires_grad_(param.requires_grad)
-    for name, buffer in model.named_buffers(remove_duplicate=False):
-        tensors[name] = torch.empty_like(buffer, device="meta")
-    return _tie(model, tensors)
-
-
-def _real_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    # Detached views of the weights (autograd leaves of their own, so nothing reaches .grad)
-    # and copies of the buffers (a batch-norm's running statistics stay as they were).
-    tensors: dict[str, torch.Tensor] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        tensors[name] = param.detach().requires_grad_(param.requires_grad)
-    for name, buffer in model.named_buffers(remove_duplicate=False):
-        tensors[name] = buffer.detach().clone()
-    return _tie(model, tensors)
-
-
-def _tie(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One substitute per shared tensor: a tied weight stays tied, so its gradient is one."""
-    by_identity: dict[int, torch.Tensor] = {}
-    originals = dict(model.named_parameters(remove_duplicate=False))
-    originals.update(dict(model.named_buffers(remove_duplicate=False)))
-    for name, original in originals.items():
-        tensors[name] = by_identity.setdefault(id(original), tensors[name])
-    return tensors
 
 
 def count_flops_per_token(model: nn.Module, batch: Any) -> float:
@@ -177,14 +163,14 @@ def count_flops_per_token(model: nn.Module, batch: Any) -> float:
     device. Raises what the model raised when neither works."""
     _, tokens = batch_size_and_tokens(batch)
     try:
-        flops = _count(model, _to_meta(batch), _meta_tensors(model))
+        flops = _count(model, _to_meta(batch), meta=True)
     except Exception as meta_error:
         log.debug("counting FLOPs on the meta device failed (%s); on the device", meta_error)
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         devices = [device] if device.type == "cuda" else []
         # The real run draws dropout masks: the count must not move the run's generators.
         with torch.random.fork_rng(devices=devices):
-            flops = _count(model, _on_device(batch, device), _real_tensors(model))
+            flops = _count(model, _on_device(batch, device), meta=False)
     return flops / max(tokens, 1)
 
 
@@ -261,9 +247,12 @@ def measure_flops(
                     raise ValueError("no sample batch and no sequence length to make one")
                 batch = sample_batch(seq_len, label_mode)
             value = count_flops_per_token(model, batch)
-        if not value > 0:
-            raise ValueError(f"counted {value} FLOPs per token")
-        report.flops_per_token = value
+        if value > 0:
+            report.flops_per_token = value
+        else:  # nothing the counter counts (matmuls, convolutions, attention): no rate either
+            log.info(
+                "%s does no matmul FLOPs; tflops and mfu are not reported", type(model).__name__
+            )
     except Exception as exc:
         log.warning(
             "cannot count the FLOPs of %s (%s: %s); tflops and mfu are not reported (give the "
