@@ -303,6 +303,7 @@ def draw_panels(
     try:
         with os.fdopen(handle, "wb") as stream:
             figure.savefig(stream, format="png", dpi=100)
+        os.chmod(temporary, 0o666 & ~_umask())  # mkstemp's 0600 is for secrets, not pictures
         os.replace(temporary, out)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
@@ -310,6 +311,12 @@ def draw_panels(
     finally:
         plt.close(figure)
     return out
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _draw(axis: Any, panel: Panel) -> None:
