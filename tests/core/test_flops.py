@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from core.toy_runs import EventRecorder, tiny_transformer_run, toy_trainer, train
 from torch import nn
 
-from speedtronic import SpeedtronicConfig
+from speedtronic import SpeedtronicConfig, flops
 from speedtronic.flops import (
     FlopsReport,
     count_flops_per_token,
@@ -51,7 +51,12 @@ def config(tmp_path: Path, **run: object) -> SpeedtronicConfig:
     )
 
 
-def test_a_user_models_head_matmul_is_what_is_counted() -> None:
+@pytest.mark.parametrize("meta_first", [False, True])
+def test_a_user_models_head_matmul_is_what_is_counted(
+    meta_first: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if meta_first:
+        monkeypatch.setattr(flops, "REAL_ON_CPU_BELOW", 0)
     # Forward 2 x d x V per token, backward twice that (input and weight gradients).
     counted = count_flops_per_token(HeadModel(), sample_batch(SEQ))
     assert counted == pytest.approx(6 * WIDTH * VOCAB, rel=0.1)
@@ -80,7 +85,10 @@ class DataDependent(HeadModel):
         return F.cross_entropy(self.head(hidden).view(-1, VOCAB), labels.reshape(-1))
 
 
-def test_a_model_the_meta_device_cannot_run_is_counted_on_one_real_sample() -> None:
+def test_a_model_the_meta_device_cannot_run_is_counted_on_one_real_sample(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(flops, "REAL_ON_CPU_BELOW", 0)  # as for a large CPU model: meta first
     model = DataDependent()
     rng = torch.get_rng_state()
     counted = count_flops_per_token(model, sample_batch(SEQ))

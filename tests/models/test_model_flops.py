@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from speedtronic import flops
 from speedtronic.flops import count_flops_per_token, measure_flops, sample_batch
 from speedtronic_models import ReferenceTransformer
 
@@ -23,7 +24,12 @@ def analytic(model: ReferenceTransformer, seq_len: int) -> float:
         ({"n_layer": 3, "n_head": 2, "n_kv_head": 1, "d_model": 32}, 256),  # attention-heavy
     ],
 )
-def test_counted_flops_per_token_match_the_analytic_count(shape: dict, seq_len: int) -> None:
+@pytest.mark.parametrize("meta_first", [False, True])
+def test_counted_flops_per_token_match_the_analytic_count(
+    shape: dict, seq_len: int, meta_first: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if meta_first:  # as for a model too large for a real sample on a CPU
+        monkeypatch.setattr(flops, "REAL_ON_CPU_BELOW", 0)
     model = ReferenceTransformer(vocab_size=256, max_seq_len=seq_len, **shape)
     counted = count_flops_per_token(model, sample_batch(seq_len))
     assert counted == pytest.approx(analytic(model, seq_len), rel=0.1)

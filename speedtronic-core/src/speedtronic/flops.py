@@ -2,12 +2,13 @@
 
 At train start :func:`measure_flops` counts the FLOPs of one micro-batch's forward and backward
 with :class:`torch.utils.flop_counter.FlopCounterMode` on the real model's code, run on a
-shadow of it whose parameters and buffers are meta tensors (shapes only: nothing is computed or
-allocated, so it costs milliseconds even for a large model; a deep copy that shares no Python
-state, so a counter or cache on the model does not see the call). A model the meta device
-cannot run (a tensor kept outside its parameters and buffers, a data-dependent branch) is
-counted again on one sample on its own device, with its buffers, gradients and random
-generators left as they were. A model that
+shadow of it (a deep copy that shares no Python state, so a counter or cache on the model does
+not see the call) whose parameters and buffers are stand-ins: for a CUDA model or a small CPU
+one, one sample on its own device (detached weights, copied buffers, forked random generators:
+the run's gradients, statistics and randomness are left as they were); for a large CPU model,
+meta tensors (shapes only: nothing is computed or allocated). When one way fails (the meta
+device cannot run a data-dependent branch or a tensor kept outside the parameters and buffers;
+a real sample does not fit) the other is tried. A model that
 defines ``flops_per_token(seq_len)`` is asked instead. A model the counter cannot trace at all
 gets ``None`` and one warning; training goes on without ``tflops`` and ``mfu``.
 
@@ -130,6 +131,23 @@ def _substitutes(model: nn.Module, meta: bool) -> dict[int, torch.Tensor]:
     return found
 
 
+def _cpu_attention() -> dict[Any, Any]:
+    """Formulas for the CPU flash-attention kernels, which torch's counter lacks (it has the
+    CUDA ones): the same products as any scaled dot-product attention."""
+    from torch.utils import flop_counter
+
+    aten = torch.ops.aten
+    found = {}
+    for name, formula in (
+        ("_scaled_dot_product_flash_attention_for_cpu", flop_counter.sdpa_flop),
+        ("_scaled_dot_product_flash_attention_for_cpu_backward", flop_counter.sdpa_backward_flop),
+    ):
+        op = getattr(aten, name, None)
+        if op is not None and op not in flop_counter.flop_registry:
+            found[op] = formula
+    return found
+
+
 def _count(model: nn.Module, batch: Any, meta: bool) -> int:
     """FLOPs of one forward and backward of ``model`` on ``batch``, run on a shadow of the model
     holding stand-ins for its tensors (a deep copy that shares nothing but the Python code, so
@@ -150,28 +168,48 @@ def _count(model: nn.Module, batch: Any, meta: bool) -> int:
         def shadow(*args: Any, **kwargs: Any) -> Any:
             return functional_call(model, tensors, args, kwargs, tie_weights=False)
 
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False, custom_mapping=_cpu_attention()) as counter:
         loss = loss_of(call_model(shadow, batch))
         if trainable:
             torch.autograd.grad(loss, trainable, allow_unused=True)
     return int(counter.get_total_flops())
 
 
+# Below this many FLOPs (6 x parameters x tokens, the usual estimate) one real sample on a CPU
+# costs less than the meta device's Python kernels (about a millisecond per operator).
+REAL_ON_CPU_BELOW = 2e9
+
+
 def count_flops_per_token(model: nn.Module, batch: Any) -> float:
     """FLOPs per token of one forward and backward of ``model`` on ``batch`` (any batch the
-    trainer accepts), counted on the meta device, else on one copy of ``batch`` on the model's
-    device. Raises what the model raised when neither works."""
+    trainer accepts, its values unused).
+
+    Where it runs: on a CUDA model, one copy of ``batch`` on the device (its kernels take
+    microseconds; the counter's own Python dispatch is the cost); elsewhere on the meta device,
+    unless the model is small enough that a real sample is cheaper (:data:`REAL_ON_CPU_BELOW`).
+    When the first way fails the other is tried; raises what the model raised when neither
+    works."""
     _, tokens = batch_size_and_tokens(batch)
-    try:
-        flops = _count(model, _to_meta(batch), meta=True)
-    except Exception as meta_error:
-        log.debug("counting FLOPs on the meta device failed (%s); on the device", meta_error)
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        devices = [device] if device.type == "cuda" else []
-        # The real run draws dropout masks: the count must not move the run's generators.
-        with torch.random.fork_rng(devices=devices):
-            flops = _count(model, _on_device(batch, device), meta=False)
-    return flops / max(tokens, 1)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    estimate = 6 * sum(p.numel() for p in model.parameters()) * tokens
+    ways = ["real", "meta"]
+    if device.type != "cuda" and estimate >= REAL_ON_CPU_BELOW:
+        ways.reverse()
+    for index, way in enumerate(ways):
+        try:
+            if way == "meta":
+                flops = _count(model, _to_meta(batch), meta=True)
+            else:
+                devices = [device] if device.type == "cuda" else []
+                # A real pass draws dropout masks: the count must not move the run's generators.
+                with torch.random.fork_rng(devices=devices):
+                    flops = _count(model, _on_device(batch, device), meta=False)
+            return flops / max(tokens, 1)
+        except Exception as exc:
+            if index == len(ways) - 1:
+                raise
+            log.debug("counting FLOPs (%s) failed (%s); trying %s", way, exc, ways[-1])
+    raise AssertionError("unreachable")
 
 
 @dataclass
