@@ -5,9 +5,11 @@ al. 2020; PaLM appendix B), the head (the embedding matrix) counted as a matmul.
 from __future__ import annotations
 
 import pytest
+from models.hf_fixtures import TINY_GPT2, TINY_LLAMA, hf_model, run_config
 
 from speedtronic import flops
 from speedtronic.flops import count_flops_per_token, measure_flops, sample_batch
+from speedtronic.runtime import build_runtime
 from speedtronic_models import ReferenceTransformer
 
 
@@ -43,3 +45,27 @@ def test_activation_checkpointing_is_not_counted_twice() -> None:
     report = measure_flops(model, seq_len=32)
     assert report.flops_per_token == pytest.approx(analytic(model, 32), rel=0.1)
     assert model.gradient_checkpointing is True
+
+
+@pytest.mark.parametrize("hf_config", [TINY_LLAMA, TINY_GPT2], ids=["llama", "gpt2"])
+def test_a_hugging_face_run_reports_its_counted_flops(tmp_path, hf_config: dict) -> None:
+    events: list = []
+    runtime = build_runtime(
+        run_config(tmp_path, hf_model(hf_config), run={"max_steps": 1}),
+        hooks=[lambda event, payload: events.append((event, payload))],
+        console=False,
+    )
+    runtime.trainer.fit()
+    start = next(payload for event, payload in events if event == "train_start")
+    model, seq_len = runtime.model, runtime.model.config.max_position_embeddings
+    # Every Linear / Conv1D weight is a matmul (the head too, tied or not); lookups are not.
+    weights = {
+        id(m.weight): m.weight.numel()
+        for m in model.modules()
+        if type(m).__name__ in ("Linear", "Conv1D")
+    }
+    config = model.config
+    layers, width = config.num_hidden_layers, config.hidden_size
+    expected = 6 * sum(weights.values()) + 12 * layers * width * seq_len
+    assert start["flops_per_token"] == pytest.approx(expected, rel=0.1)
+    assert start["parameters"] == sum(p.numel() for p in model.parameters())

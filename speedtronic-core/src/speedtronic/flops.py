@@ -131,19 +131,31 @@ def _substitutes(model: nn.Module, meta: bool) -> dict[int, torch.Tensor]:
     return found
 
 
+def _sdpa_forward(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    return sdpa_flop_count(query, key, value)
+
+
+def _sdpa_backward(grad: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+    from torch.utils.flop_counter import sdpa_backward_flop_count
+
+    return sdpa_backward_flop_count(grad, query, key, value)
+
+
 def _cpu_attention() -> dict[Any, Any]:
-    """Formulas for the CPU flash-attention kernels, which torch's counter lacks (it has the
-    CUDA ones): the same products as any scaled dot-product attention."""
-    from torch.utils import flop_counter
+    """Formulas (on shapes) for the CPU flash-attention kernels, which torch's counter lacks
+    (it has the CUDA ones): the same products as any scaled dot-product attention."""
+    from torch.utils.flop_counter import flop_registry
 
     aten = torch.ops.aten
     found = {}
     for name, formula in (
-        ("_scaled_dot_product_flash_attention_for_cpu", flop_counter.sdpa_flop),
-        ("_scaled_dot_product_flash_attention_for_cpu_backward", flop_counter.sdpa_backward_flop),
+        ("_scaled_dot_product_flash_attention_for_cpu", _sdpa_forward),
+        ("_scaled_dot_product_flash_attention_for_cpu_backward", _sdpa_backward),
     ):
         op = getattr(aten, name, None)
-        if op is not None and op not in flop_counter.flop_registry:
+        if op is not None and op not in flop_registry:
             found[op] = formula
     return found
 
