@@ -26,9 +26,10 @@ nox.options.reuse_existing_virtualenvs = True
 def install_all(session: nox.Session) -> None:
     session.install(*CONSTRAINTS, "torch")
     # Every optional ecosystem piece the tests exercise for real: tokenizers and pyarrow for
-    # `data prepare`, transformers for hf_causal_lm and export, W&B and TensorBoard.
+    # `data prepare`, matplotlib for `plot`, transformers for hf_causal_lm and export, W&B and
+    # TensorBoard.
     extras = {
-        "speedtronic-core": "[tokenizers,parquet]",
+        "speedtronic-core": "[tokenizers,parquet,plot]",
         "speedtronic-models": "[transformers]",
         "speedtronic-logging": "[all]",
     }

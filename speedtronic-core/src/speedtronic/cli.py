@@ -34,6 +34,7 @@ __all__ = [
     "load_config",
     "load_plugin_modules",
     "main",
+    "step_window",
 ]
 
 log = logging.getLogger("speedtronic.cli")
@@ -173,6 +174,19 @@ def _add_plugin_commands(sub: argparse._SubParsersAction) -> None:
     call_each(get_plugin_manager().hook.register_commands, {"subparsers": sub}, lose_commands)
 
 
+def step_window(text: str) -> tuple[int, int]:
+    """``START:END`` (or one step ``N``) as a pair of optimizer steps, for ``--profile``."""
+    start_text, sep, end_text = text.partition(":")
+    try:
+        start = int(start_text)
+        end = int(end_text) if sep else start
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected START:END steps, got {text!r}") from None
+    if start < 1 or end < start:
+        raise argparse.ArgumentTypeError(f"expected 1 <= START <= END, got {text!r}")
+    return start, end
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full parser, including the subcommands plugins add."""
     parser = argparse.ArgumentParser(prog="speedtronic", description="Be fast, be efficient.")
@@ -192,6 +206,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="data parallel on this machine: start N ranks (DDP) through torch's elastic "
         "launcher, as torchrun does",
+    )
+    train.add_argument(
+        "--profile",
+        type=step_window,
+        metavar="START:END",
+        help="profile optimizer steps START to END (inclusive) with torch.profiler: a Chrome "
+        "trace in <output_dir>/profile/ and the top operators logged (profile.start/end)",
     )
     add_set_option(train)
     train.set_defaults(handler=cmd_train)
@@ -224,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     from speedtronic.export_cli import add_model_commands
 
     add_model_commands(sub)  # `speedtronic export`, `speedtronic generate`
+    from speedtronic.plot_cli import add_plot_command
+
+    add_plot_command(sub)  # `speedtronic plot`
     _add_plugin_commands(sub)
     # `--debug` and `--plugin` are also accepted after the command name, plugin commands and
     # nested ones (`speedtronic diloco status --debug`) included: main() reads --plugin before

@@ -18,7 +18,7 @@ __all__ = ["add_config_flag", "add_set_option", "load_config"]
 
 def load_config(args: argparse.Namespace) -> SpeedtronicConfig:
     """The config a command's ``--config`` names, with its ``--set`` overrides and the
-    shorthands ``--max-steps``, ``--output-dir`` and ``--resume`` applied."""
+    shorthands ``--max-steps``, ``--output-dir``, ``--resume`` and ``--profile`` applied."""
     config = SpeedtronicConfig.from_file(args.config)
     overrides: list[str] = list(getattr(args, "set", None) or [])
     if getattr(args, "max_steps", None) is not None:
@@ -27,6 +27,9 @@ def load_config(args: argparse.Namespace) -> SpeedtronicConfig:
         overrides.append(f"run.output_dir={json.dumps(args.output_dir)}")
     if getattr(args, "resume", False):
         overrides.append("checkpoint.resume=true")
+    if getattr(args, "profile", None) is not None:
+        start, end = args.profile
+        overrides += [f"profile.start={start}", f"profile.end={end}"]
     return config.with_overrides(overrides) if overrides else config
 
 

@@ -43,6 +43,7 @@ __all__ = [
     "OptimizerConfig",
     "ParallelConfig",
     "PrecisionConfig",
+    "ProfileConfig",
     "RunConfig",
     "SchedulerConfig",
     "SpeedtronicConfig",
@@ -77,6 +78,13 @@ class RunConfig(Section):
         help="CPU threads for torch's intra-op work in this process (`torch.set_num_threads`); "
         "unset keeps torch's default (all cores, or $OMP_NUM_THREADS). Set 1 when several "
         "training processes share one machine's cores.",
+    )
+    peak_tflops: float | None = option(
+        None,
+        gt=0,
+        help="Peak dense TFLOP/s of one device at the training precision, for `mfu` on each "
+        "`step` record (= `tflops` / this); unset: the built-in table of common GPUs (bf16 "
+        "dense, see metrics.md), else no `mfu`.",
     )
     stop_signals: list[str] = option(
         default_factory=lambda: ["SIGTERM", "SIGINT"],
@@ -326,6 +334,35 @@ class OOOBackpropConfig(Section):
 
 
 @dataclass
+class ProfileConfig(Section):
+    """The ``profile`` section: a torch.profiler window around a few optimizer steps."""
+
+    start: int | None = option(
+        None,
+        ge=1,
+        help="First optimizer step profiled (as the `step` field counts); unset: no profiling. "
+        "`speedtronic train --profile START:END` sets `start` and `end`.",
+    )
+    end: int | None = option(
+        None, ge=1, help="Last optimizer step profiled (inclusive); defaults to `start`."
+    )
+    record_shapes: bool = option(False, help="Record operator input shapes (torch.profiler).")
+    memory: bool = option(False, help="Record tensor allocations (torch.profiler profile_memory).")
+    all_ranks: bool = option(
+        False, help="Under DDP, profile every rank (one trace each); by default rank 0 only."
+    )
+
+    def validate(self) -> None:
+        if self.end is not None and self.start is None:
+            raise ConfigError("is set but profile.start is not", "end")
+        if self.start is not None:
+            if self.end is None:
+                self.end = self.start
+            if self.end < self.start:
+                raise ConfigError(f"must be >= start ({self.start}), got {self.end}", "end")
+
+
+@dataclass
 class CheckpointConfig(Section):
     """The ``checkpoint`` section: where, how often, how many, and resuming."""
 
@@ -447,7 +484,11 @@ class LoggingConfig(Section):
         "INFO", help="Log level of the `speedtronic` loggers."
     )
     file: str | None = option(None, help="Append human-readable metric lines to this file.")
-    json_file: str | None = option(None, help="Append one JSON object per metric event here.")
+    json_file: str | None = option(
+        None,
+        help="Append one JSON object per metric event here (what `speedtronic plot` reads); "
+        'unset: `<run.output_dir>/metrics.jsonl`; `""`: no JSONL file.',
+    )
     log_every: int = option(10, ge=1, help="Read the loss and emit a `step` event every N steps.")
     hooks: list[str] = option(
         default_factory=list,
@@ -469,6 +510,7 @@ CORE_SECTIONS: dict[str, type] = {
     "eval": EvalConfig,
     "parallel": ParallelConfig,
     "logging": LoggingConfig,
+    "profile": ProfileConfig,
 }
 TOP_LEVEL_KEYS = ("model", "gradient_checkpointing")
 RUN_ALIASES = ("name", "max_steps", "output_dir", "seed", "device")
@@ -519,6 +561,7 @@ class SpeedtronicConfig:
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
     plugins: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Sections contributed by plugins, by name; also reachable as attributes."""
 
@@ -690,6 +733,14 @@ class SpeedtronicConfig:
     def data_seed(self) -> int:
         """The data stream's seed: ``data.seed``, or ``run.seed`` when that is unset."""
         return self.data.seed if self.data.seed is not None else self.run.seed
+
+    @property
+    def metrics_file(self) -> Path | None:
+        """Where the JSONL metrics go: ``logging.json_file``, ``<output_dir>/metrics.jsonl``
+        when that is unset, None when it is ``""``."""
+        if self.logging.json_file is None:
+            return self.output_dir / "metrics.jsonl"
+        return Path(self.logging.json_file) if self.logging.json_file else None
 
     @property
     def checkpoint_dir(self) -> Path:

@@ -64,14 +64,15 @@ def seed_everything(seed: int) -> None:
 def build_metric_logger(
     config: SpeedtronicConfig, hooks: Iterable[Any] = (), console: bool = True
 ) -> MetricLogger:
-    """stdout, optional text/JSONL files, ``logging.hooks`` and ``hooks``."""
+    """stdout, the JSONL metrics file (:attr:`SpeedtronicConfig.metrics_file`), an optional
+    text file, ``logging.hooks`` and ``hooks``."""
     sinks: list[Any] = []
     if console:
         sinks.append(ConsoleSink(config.run.max_steps, progress=config.logging.progress))
     if config.logging.file:
         sinks.append(TextFileSink(config.logging.file))
-    if config.logging.json_file:
-        sinks.append(JsonlSink(config.logging.json_file))
+    if config.metrics_file is not None:
+        sinks.append(JsonlSink(config.metrics_file))
     sinks.extend(import_hook(path) for path in config.logging.hooks)
     sinks.extend(hooks)
     return MetricLogger(sinks)

@@ -39,10 +39,12 @@ from speedtronic.checkpoint import (
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.data import DataSource, repeat_epochs
 from speedtronic.errors import CheckpointError, DataError, SpeedtronicError
+from speedtronic.flops import FlopsReport, measure_run_flops
 from speedtronic.metrics import MetricLogger, ThroughputMeter, process_memory_mb
 from speedtronic.optim import reset_optimizer_state
 from speedtronic.parts import TrainingParts, build_parts
 from speedtronic.plugins import call_each
+from speedtronic.profiling import StepProfiler, build_profiler
 from speedtronic.stopping import StopRequest, StopSignals
 
 __all__ = [
@@ -84,6 +86,8 @@ STEP_KEYS = frozenset(
         "steps_per_sec",
         "samples_per_sec",
         "tokens_per_sec",
+        "tflops",
+        "mfu",
         "memory_mb",
         "samples",
         "tokens",
@@ -241,7 +245,9 @@ class Trainer:
         self._consecutive_skips = 0
         # Optimizer steps in a row whose loss was not finite (a device scalar; run.max_nan_steps).
         self._nan_steps = torch.zeros((), dtype=torch.int64)
-        # Held on rank 0 while fit() runs: one live run per checkpoint directory.
+        # Counted at train start (speedtronic.flops); the profiler window, when configured.
+        self.flops = FlopsReport(parameters=0)
+        self.profiler: StepProfiler | None = None
 
     # ------------------------------------------------------------------ events
     def emit(self, event: str, payload: dict[str, Any]) -> None:
@@ -520,6 +526,14 @@ class Trainer:
         final_loss: float | None = None
         try:
             self.plugin_manager.hook.on_train_start(trainer=self)
+            self.flops = measure_run_flops(self)
+            self.profiler = build_profiler(
+                self.config.profile,
+                self.config.output_dir,
+                self.device,
+                self.parallel.rank,
+                self.parallel.is_main,
+            )
             self.emit(
                 "train_start",
                 {
@@ -530,6 +544,7 @@ class Trainer:
                     "precision": self.precision.mode,
                     "accumulation_steps": self.accumulation_steps,
                     "compiled": self.compiled.active,
+                    **self.flops.start_fields(),
                     "config": self.config.to_dict(redact=True),
                 },
             )
@@ -547,6 +562,8 @@ class Trainer:
             error = exc
             raise
         finally:
+            if self.profiler is not None:
+                self.profiler.close()
             elapsed = time.perf_counter() - started
             summary = {
                 "steps": self.step,
@@ -612,7 +629,10 @@ class Trainer:
         meter = ThroughputMeter(self.device)
         world = self.parallel.world_size
         last_loss: float | None = None
+        profiler = self.profiler
         while self.step < max_steps:
+            if profiler is not None:
+                profiler.step_begins(self.step + 1)
             micro = self._next_micro_batches(batches)
             step_loss = self._step_loss(micro)
             will_log = (self.step + 1) % log_every == 0 or self.step + 1 == max_steps
@@ -649,6 +669,7 @@ class Trainer:
                 last_loss = self.last_loss = meter.mean_loss(self.parallel.mean)
                 if not math.isfinite(last_loss):
                     log.warning("the loss is %s at step %d", last_loss, self.step)
+                rates = meter.rates()
                 self.emit(
                     "step",
                     {
@@ -656,7 +677,8 @@ class Trainer:
                         "loss": last_loss,
                         "lr": float(self.optimizer.param_groups[0]["lr"]),
                         "grad_norm": float(grad_norm.item()) if grad_norm is not None else None,
-                        **meter.rates(),
+                        **rates,
+                        **self.flops.rates(rates["tokens_per_sec"]),
                         "memory_mb": process_memory_mb(self.device),
                         "samples": self.samples_seen,
                         "tokens": self.tokens_seen,
@@ -671,6 +693,8 @@ class Trainer:
             if self.evaluator is not None and every and self.step % every == 0:
                 with meter.paused():  # nor is evaluation
                     self.evaluate()
+            if profiler is not None and (trace := profiler.step_ended(self.step)) is not None:
+                self.emit("profile", {"step": self.step, "path": str(trace)})
             if self._stop.agree(self.parallel):
                 with meter.paused():
                     self._stop_now()
