@@ -19,7 +19,8 @@ from speedtronic_diloco.aggregation import AggregationRules
 from speedtronic_diloco.codecs import CodecSpec, decode_delta, encode_delta
 from speedtronic_diloco.coordinator import DumbDiLoCoCoordinator
 from speedtronic_diloco.fragments import FragmentLayout, fragment_metadata
-from speedtronic_diloco.outer import MasterOuterLoop, nesterov_step
+from speedtronic_diloco.master.loop import MasterOuterLoop
+from speedtronic_diloco.master.round import nesterov_step
 from speedtronic_diloco.signing import sign_file
 from speedtronic_diloco.tensors import cpu_state_dict, load_tensors, save_tensors
 from speedtronic_diloco.transports import GLOBAL_WEIGHTS, TransientTransportError, delta_path

@@ -14,7 +14,8 @@ from diloco_fakes import SETTLE, MemoryTransport, dist_config, make_net, nudge, 
 from safetensors import safe_open
 
 from speedtronic_diloco.coordinator import DumbDiLoCoCoordinator
-from speedtronic_diloco.outer import MasterOuterLoop, nesterov_step
+from speedtronic_diloco.master.loop import MasterOuterLoop
+from speedtronic_diloco.master.round import nesterov_step
 from speedtronic_diloco.startup import StartupChoice, select_startup_state
 from speedtronic_diloco.tensors import cpu_state_dict, save_tensors
 from speedtronic_diloco.transports import (

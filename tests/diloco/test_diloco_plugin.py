@@ -142,7 +142,7 @@ def test_public_names_resolve_through_core() -> None:
 
     assert seed_era_config is DistributedConfig
     assert seed_era_coordinator is DumbDiLoCoCoordinator is seed_era_alias
-    assert MasterOuterLoop.__module__ == "speedtronic_diloco.outer"
+    assert MasterOuterLoop.__module__ == "speedtronic_diloco.master.loop"
     assert SyncResult(pushed=True, loaded_global=False, outer_step=3).outer_step == 3
     (row,) = [p for p in list_plugins() if p.name == "diloco"]
     assert {"config_sections", "after_optimizer_step", "on_checkpoint", "data_seed"} <= set(

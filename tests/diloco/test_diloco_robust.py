@@ -27,7 +27,8 @@ from speedtronic_diloco.aggregation import (
     lower_median,
     screen_round,
 )
-from speedtronic_diloco.outer import MasterOuterLoop, history_steps, roll_back
+from speedtronic_diloco.master.history import history_steps, roll_back
+from speedtronic_diloco.master.loop import MasterOuterLoop
 from speedtronic_diloco.signing import SignatureError, sign_file, verify_file
 from speedtronic_diloco.tensors import cpu_state_dict, load_tensors, save_tensors
 from speedtronic_diloco.transports import DeltaInfo, delta_path

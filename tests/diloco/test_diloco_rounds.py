@@ -22,7 +22,7 @@ from speedtronic.cli import main as cli_main
 from speedtronic.runtime import build_runtime
 from speedtronic_diloco.aggregation import AggregationRules
 from speedtronic_diloco.coordinator import DumbDiLoCoCoordinator
-from speedtronic_diloco.outer import MasterOuterLoop
+from speedtronic_diloco.master.loop import MasterOuterLoop
 from speedtronic_diloco.signing import verify_file
 from speedtronic_diloco.tensors import cpu_state_dict
 from speedtronic_diloco.transports import PermanentTransportError, delta_path

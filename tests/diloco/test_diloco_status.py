@@ -17,7 +17,7 @@ from hub_emulator import HubEmulator
 
 from speedtronic_diloco.aggregation import AggregationRules
 from speedtronic_diloco.lease import LeaseKeeper
-from speedtronic_diloco.outer import MasterOuterLoop
+from speedtronic_diloco.master.loop import MasterOuterLoop
 from speedtronic_diloco.plugin import diloco_subcommands
 from speedtronic_diloco.retry import RetryPolicy
 from speedtronic_diloco.tensors import cpu_state_dict, save_tensors

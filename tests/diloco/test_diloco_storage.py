@@ -28,7 +28,7 @@ from speedtronic_diloco.aggregation import AggregationRules
 from speedtronic_diloco.config import DistributedConfig
 from speedtronic_diloco.coordinator import DumbDiLoCoCoordinator
 from speedtronic_diloco.lease import LeaseHeldError
-from speedtronic_diloco.outer import MasterOuterLoop, OuterLoopStopped
+from speedtronic_diloco.master.loop import MasterOuterLoop, OuterLoopStopped
 from speedtronic_diloco.retry import RetryPolicy
 from speedtronic_diloco.startup import prepare_master
 from speedtronic_diloco.tensors import cpu_state_dict, load_tensors, save_tensors

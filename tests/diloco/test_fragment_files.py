@@ -28,7 +28,8 @@ from speedtronic_diloco.coordinator import DumbDiLoCoCoordinator
 from speedtronic_diloco.fragment_files import fragment_header
 from speedtronic_diloco.fragments import FragmentLayout, fragment_metadata
 from speedtronic_diloco.global_weights import read_global_state
-from speedtronic_diloco.outer import MasterOuterLoop, roll_back
+from speedtronic_diloco.master.history import roll_back
+from speedtronic_diloco.master.loop import MasterOuterLoop
 from speedtronic_diloco.signing import sign_file
 from speedtronic_diloco.status import collect_status, summary_lines
 from speedtronic_diloco.tensors import cpu_state_dict, load_tensors, save_tensors

@@ -14,7 +14,7 @@ from hub_emulator import HubEmulator
 from hub_fixtures import REPO, TOKEN, hub_fixture, transport  # noqa: F401
 
 from speedtronic_diloco.coordinator import DumbDiLoCoCoordinator
-from speedtronic_diloco.outer import MasterOuterLoop
+from speedtronic_diloco.master.loop import MasterOuterLoop
 from speedtronic_diloco.retry import RetryPolicy
 from speedtronic_diloco.tensors import cpu_state_dict, save_tensors
 from speedtronic_diloco.transports import GLOBAL_METADATA, GLOBAL_WEIGHTS, GlobalMetadata

@@ -5,7 +5,7 @@ current weights) and polls for newer global weights; between boundaries it polls
 ``poll_interval`` seconds. Uploads and polls run in background lanes by default, so the
 training thread only copies tensors; global weights are installed by the training thread at
 its next callback, never by a lane. The master also runs the outer loop
-(:class:`~speedtronic_diloco.outer.MasterOuterLoop`) in a thread of its own; which state it
+(:class:`~speedtronic_diloco.master.loop.MasterOuterLoop`) in a thread of its own; which state it
 continues from at startup is decided in :mod:`speedtronic_diloco.startup`. Downloaded globals
 are kept per version in a :class:`~speedtronic_diloco.cache.GlobalCache`. With streaming
 fragments published as files of their own, a node downloads only the files of the fragments it
@@ -71,15 +71,15 @@ from speedtronic_diloco.fragment_files import (
     check_listed_size,
 )
 from speedtronic_diloco.fragments import (
+    FragmentBook,
     FragmentLayout,
     FragmentSchedule,
-    NodeFragments,
     fragment_metadata,
     global_fragment_info,
 )
 from speedtronic_diloco.identity import resolve_node_id
 from speedtronic_diloco.lanes import Lane
-from speedtronic_diloco.outer import MasterOuterLoop
+from speedtronic_diloco.master.loop import MasterOuterLoop
 from speedtronic_diloco.retry import RetryPolicy
 from speedtronic_diloco.signing import (
     SignatureError,
@@ -203,10 +203,10 @@ class DumbDiLoCoCoordinator:
         self._feedback = ErrorFeedback(self._codec, enabled=self.config.error_feedback)
         self._feedback_epoch = 0  # +1 at every reset: an upload encoded before does not commit
         self._schedule = FragmentSchedule(self.config.inner_steps, self.config.fragments)
-        self._fragments: NodeFragments | None = None
+        self._fragments: FragmentBook | None = None
         if self.config.fragments > 1:
             layout = FragmentLayout.build(self._baseline, self.config.fragments)
-            self._fragments = NodeFragments(layout, self._schedule)
+            self._fragments = FragmentBook(layout, self._schedule)
         self._due: tuple[int, ...] = ()  # the fragments that sync at the current step
         self._global_info: dict[int, Any] = {}  # outer step -> fragment info of that global
         self._received: dict[int, int] = {}  # outer step -> bytes of its downloaded global
@@ -305,8 +305,6 @@ class DumbDiLoCoCoordinator:
             evaluate=self._evaluate,
             fragments=self._fragments.layout if self._fragments else None,
         )
-        self.outer.global_compression = self.config.global_compression
-        self.outer.set_fragments(self._fragments.layout if self._fragments else None)
         if not self._prepared:
             snapshot = self.outer.snapshot()
             if snapshot is not None:
