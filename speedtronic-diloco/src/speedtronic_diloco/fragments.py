@@ -380,26 +380,53 @@ class FragmentBook:
         return None if self.layout is None else set(self.layout.keys(fragments))
 
     # ----------------------------------------------------------------- node side
-    def upload_fragments(self, final: bool, due: tuple[int, ...]) -> tuple[int, ...]:
-        """The fragments a delta covers: the one due (the final delta: all); none named for a
-        book of one (its delta covers the whole model)."""
-        if self.layout is None:
-            return ()
-        return self.everything() if final else due
-
-    def delta_part(self, delta: TensorDict, fragments: tuple[int, ...]) -> TensorDict:
-        return delta if self.layout is None else self.layout.select(delta, fragments)
-
     def delta_metadata(self, fragments: Sequence[int]) -> dict[str, str]:
+        """The metadata entries of a delta covering ``fragments`` (a book of one: none, its
+        delta covers the whole model)."""
         return {} if self.layout is None else fragment_metadata(fragments, self.layout)
 
+    def pending_fields(self, fragments: Sequence[int]) -> dict[str, list[int]]:
+        """What a checkpointed outstanding upload records about its fragments."""
+        return {} if self.layout is None else {"fragments": list(fragments)}
+
+    def fragment_field(self, fragments: Sequence[int]) -> dict[str, str]:
+        """The ``fragments`` field of a node's events (a book of one: none)."""
+        return {} if self.layout is None else {FRAGMENTS_META: ",".join(str(j) for j in fragments)}
+
+    def describe(self, fragments: Sequence[int]) -> str:
+        """How a log line names an install of ``fragments`` of a global."""
+        return (
+            "global weights of" if self.layout is None else f"fragments {list(fragments)} of global"
+        )
+
+    def exact_target(self) -> bool:
+        """True when a landed delta's target is the node's weights at its step (one fragment);
+        with several, the other fragments moved on since."""
+        return self.layout is None
+
     def advanced(self, baseline: TensorDict, target: TensorDict, job: Any) -> TensorDict:
-        """The baseline after the upload ``job`` landed: its target; with several fragments,
-        the target's tensors of each fragment it covers that was not reinstalled since."""
-        if self.layout is None:
-            return target
+        """The baseline after the upload ``job`` landed: the target's tensors of each fragment
+        it covers that was not reinstalled since (a book of one: the whole target, or the
+        baseline as it is)."""
         moved = [j for j in job.fragments if self.generations[j] == job.fragment_generations[j]]
+        if self.layout is None:
+            return target if moved else baseline
         return {**baseline, **{k: target[k] for k in self.layout.keys(moved)}}
+
+    def file_layout(self, local: Mapping[str, torch.Tensor], count: int) -> FragmentLayout:
+        """The layout a global published as ``count`` fragment files is read with: this
+        run's (a book of one: the model's own cut into ``count``; FragmentError if it cannot
+        be)."""
+        return self.layout if self.layout is not None else FragmentLayout.build(local, count)
+
+    def files_wanted(
+        self, versions: Sequence[int], layout: FragmentLayout, complete: bool
+    ) -> tuple[int, ...]:
+        """The fragment files of a global to download: every one ``complete`` (and for a book
+        of one, which installs the whole global), else those whose version advanced."""
+        if complete or self.layout is None:
+            return tuple(range(layout.count))
+        return self.plan((tuple(versions), layout.fingerprint))
 
     def plan(
         self,

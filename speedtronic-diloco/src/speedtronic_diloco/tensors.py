@@ -68,7 +68,6 @@ def compute_pseudo_gradient(
         raise StateMismatchError(
             f"model keys changed since the baseline (missing {missing}, new {extra})"
         )
-    delta: TensorDict = {}
     for name, before in base.items():
         after = now[name]
         if before.shape != after.shape:
@@ -76,9 +75,26 @@ def compute_pseudo_gradient(
                 f"{name}: shape {tuple(after.shape)} differs from the baseline's "
                 f"{tuple(before.shape)}"
             )
-        work = compute_dtype(before.dtype)
-        delta[name] = (before.to(work) - after.to(work)).to(before.dtype)
-    return delta
+    return combine(base, now, sign=-1)
+
+
+def combine(
+    base: Mapping[str, torch.Tensor], *others: Mapping[str, torch.Tensor], sign: int
+) -> TensorDict:
+    """``base + sign * (others...)`` in the compute dtype, cast back once: over the floating
+    tensors of ``base``, each term where an ``other`` has that name in the same shape; every
+    other entry of ``base`` as it is."""
+    out = dict(base)
+    for name, value in base.items():
+        terms = [o[name] for o in others if name in o and o[name].shape == value.shape]
+        if not is_floating(value) or not terms:
+            continue
+        work = compute_dtype(value.dtype)
+        total = value.to(work)
+        for term in terms:
+            total = total - term.to(work) if sign < 0 else total + term.to(work)
+        out[name] = total.to(value.dtype)
+    return out
 
 
 def check_delta(delta: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor]) -> None:
