@@ -141,6 +141,22 @@ class Intake:
             return [outcome for _, outcome in self._waiting.values()]
         return [self._waiting[k][1] for k in keys if k in self._waiting]
 
+    def quorum(self, new: Iterable[DeltaInfo], current: int, excluded: Collection[str]) -> set[str]:
+        """The nodes (but ``excluded``) with a checked delta of ``new`` waiting whose base
+        outer step is the newest one waiting (an unknown base counts as ``current``)."""
+        bases: dict[str, int] = {}
+        for outcome in self.waiting(info.key for info in new):
+            if isinstance(outcome, Fetched):
+                delta = outcome.delta
+                base = current if delta.base_outer_step is None else delta.base_outer_step
+                bases[delta.node_id] = max(base, bases.get(delta.node_id, base))
+        for node in excluded:  # a node whose deltas get rejected: not counted
+            bases.pop(node, None)
+        if not bases:
+            return set()
+        newest = max(bases.values())
+        return {node for node, base in bases.items() if base == newest}
+
     def take(self, info: DeltaInfo) -> Intaken | None:
         """The waiting outcome of ``info`` (removed), if it was fetched at its listed etag."""
         early = self._waiting.pop(info.key, None)

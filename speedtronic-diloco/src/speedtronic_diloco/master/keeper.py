@@ -25,7 +25,7 @@ from speedtronic_diloco.master.state import (
     save_state,
     to_checkpoint,
 )
-from speedtronic_diloco.tensors import TensorDict, TensorFileError
+from speedtronic_diloco.tensors import TensorDict, TensorFileError, floating_only
 from speedtronic_diloco.transports.base import GlobalMetadata
 
 __all__ = ["OuterStateKeeper"]
@@ -236,3 +236,17 @@ class OuterStateKeeper:
         """Publish the current state on the next chance (the store is behind)."""
         with self._lock:
             self.state.published_step = -1
+
+    def halt_if_not_finite(self) -> str | None:
+        """Halt when the current global is not finite (a store or state file written by
+        something else); returns why, or None (also when already halted)."""
+        with self._lock:
+            state = self.state
+            if state.global_state is None or state.halted:
+                return None
+            floating = floating_only(state.global_state)
+            bad = [k for k, v in floating.items() if not bool(v.isfinite().all())]
+            if not bad:
+                return None
+            state.halted = f"the global of outer step {state.outer_step} is not finite ({bad[0]})"
+            return state.halted

@@ -32,9 +32,9 @@ from speedtronic_diloco.master.intake import Fetched, Intake, Intaken
 from speedtronic_diloco.master.keeper import OuterStateKeeper
 from speedtronic_diloco.master.publish import Publication, Publisher
 from speedtronic_diloco.master.report import Emit, Reporter
-from speedtronic_diloco.master.round import OuterPolicy, RoundResult, run_round
+from speedtronic_diloco.master.round import OuterPolicy, RoundResult, guarded, run_round
 from speedtronic_diloco.retry import RetryPolicy
-from speedtronic_diloco.tensors import TensorDict, floating_only
+from speedtronic_diloco.tensors import TensorDict
 from speedtronic_diloco.transports.base import DeltaInfo, GlobalMetadata, LeaseError, Transport
 
 __all__ = ["MasterOuterLoop", "OuterLoopStopped"]
@@ -153,24 +153,10 @@ class MasterOuterLoop(OuterStateKeeper):
             if state.halted:
                 self.reporter.still_halted(state.halted)
                 return None
-            step, book = state.outer_step, state.fragments
+            step = state.outer_step
             extra = dict(self._extra) if self._extra.get("outer_step") == step else {}
-            extra.update(book.extra())
-            ledger, nodes = state.processed.published()
-            item = Publication(
-                step,
-                state.global_state,
-                {
-                    "master": self.node_id,
-                    "deltas_included": deltas_included or int(extra.get("deltas_included", 0)),
-                    "processed": ledger,
-                    "extra": extra,
-                    "nodes": nodes,
-                    "eval_loss": extra.get("eval_loss"),
-                },
-                book.publishes_files(self.transport.supports_fragment_files),
-                list(book.versions),
-                list(book.files),
+            item = Publication.of(
+                state, self.node_id, extra, deltas_included, self.transport.supports_fragment_files
             )
         with self._round_lock:
             published = self.publisher.publish(item)
@@ -215,7 +201,8 @@ class MasterOuterLoop(OuterStateKeeper):
             if listing is None:
                 return None
             new = self._prefetch(listing, abort)
-            decision = self.policy.decide((i.node_id for i in new), self._quorum_nodes(new))
+            quorum = self.intake.quorum(new, self.outer_step, self.policy.failing())
+            decision = self.policy.decide((i.node_id for i in new), quorum)
             if not decision.go:
                 return None
             result = self._round(abort, listing, decision, waiting=True)
@@ -256,23 +243,6 @@ class MasterOuterLoop(OuterStateKeeper):
             self.intake.prefetch(new, lambda info: self._fetch(info, reference), abort)
         return new
 
-    def _quorum_nodes(self, new: list[DeltaInfo]) -> set[str]:
-        """The nodes with a checked delta pending whose base outer step is the newest one
-        pending (an unknown base counts as the current outer step)."""
-        current = self.outer_step
-        bases: dict[str, int] = {}
-        for outcome in self.intake.waiting(info.key for info in new):
-            if isinstance(outcome, Fetched):
-                delta = outcome.delta
-                base = current if delta.base_outer_step is None else delta.base_outer_step
-                bases[delta.node_id] = max(base, bases.get(delta.node_id, base))
-        for node in self.policy.failing():  # a node whose deltas get rejected: not counted
-            bases.pop(node, None)
-        if not bases:
-            return set()
-        newest = max(bases.values())
-        return {node for node, base in bases.items() if base == newest}
-
     def _round(
         self,
         abort: threading.Event | None,
@@ -303,7 +273,7 @@ class MasterOuterLoop(OuterStateKeeper):
             result = run_round(
                 state,
                 outcomes,
-                OuterPolicy(self.outer_lr, self.outer_momentum, self.rules, self._evaluator()),
+                OuterPolicy(self.outer_lr, self.outer_momentum, self.rules, guarded(self.evaluate)),
                 reason=decision.reason if decision is not None else reason,
                 waited_s=decision.waited_s if decision is not None else 0.0,
                 found=len(new),
@@ -326,21 +296,7 @@ class MasterOuterLoop(OuterStateKeeper):
             if step > self.state.outer_step:
                 after.fragments.after_round(result.groups, step)
             self.state = after
-            contents = {o.info.key: o.content for o in outcomes}
-            checked = {d.info.key: d for d in result.checked}
-            marks = [(i, True, None) for i in result.accepted]
-            marks += [(i, False, why) for i, why in result.refusals]
-            for info, accepted, why in marks:
-                delta = checked.get(info.key)
-                after.processed.record(
-                    info,
-                    contents.get(info.key) or f"etag:{info.etag}",
-                    outer_step=step,
-                    accepted=accepted,
-                    reason=None if why is None else f"{why.reason}: {why}",
-                    base_outer_step=delta.base_outer_step if delta is not None else None,
-                    norm=delta.norm if delta is not None else (why.norm if why else None),
-                )
+            result.record(after.processed, {o.info.key: o.content for o in outcomes})
             included = [d for c in result.contributions for d in c.deltas]
             self._final_nodes.update(d.node_id for d in included if d.final)
         for contribution in result.contributions:
@@ -358,17 +314,7 @@ class MasterOuterLoop(OuterStateKeeper):
         if result.problem is not None:
             self.reporter.halted(after.halted or "", step)
         if result.accepted:
-            self._extra = {
-                "outer_step": step,
-                "deltas_included": len(result.accepted),
-                "round": {
-                    "nodes": list(result.nodes),
-                    "base_outer_steps": list(result.base_outer_steps),
-                    "waited_s": round(result.waited_s, 3),
-                    "reason": result.reason,
-                },
-                **({"eval_loss": result.eval_loss} if result.eval_loss is not None else {}),
-            }
+            self._extra = result.published_extra()
         with contextlib.suppress(OSError):
             self.save()  # before publishing: see the module docstring
         if result.accepted:
@@ -381,20 +327,6 @@ class MasterOuterLoop(OuterStateKeeper):
             self.publish(len(result.accepted))
         self._tidy_store(listing)
         return result
-
-    def _evaluator(self) -> Callable[[TensorDict], float | None] | None:
-        if self.evaluate is None:
-            return None
-        evaluate = self.evaluate
-
-        def safely(weights: TensorDict) -> float | None:
-            try:
-                return float(evaluate(weights))
-            except Exception as exc:  # an evaluation problem must not stop the outer loop
-                log.warning("evaluating the new global failed (%s: %s)", type(exc).__name__, exc)
-                return None
-
-        return safely
 
     def _tidy_store(self, listing: list[DeltaInfo]) -> None:
         """Delete the processed deltas the store no longer needs (fenced), squash when due."""
@@ -409,16 +341,9 @@ class MasterOuterLoop(OuterStateKeeper):
     def check_current(self) -> None:
         """Halt (loudly) when the current global itself is not finite (a store or state file
         written by something else)."""
-        with self._lock:
-            state = self.state
-            if state.global_state is None or state.halted:
-                return
-            floating = floating_only(state.global_state)
-            bad = [k for k, v in floating.items() if not bool(v.isfinite().all())]
-            if not bad:
-                return
-            state.halted = f"the global of outer step {state.outer_step} is not finite ({bad[0]})"
-        self.reporter.halted(state.halted, state.outer_step)
+        reason = self.halt_if_not_finite()
+        if reason is not None:
+            self.reporter.halted(reason, self.outer_step)
 
     def finish(self, timeout: float) -> GlobalMetadata | None:
         """End of training (the thread is stopped): wait at most ``timeout`` seconds for the

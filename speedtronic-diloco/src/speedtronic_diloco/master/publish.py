@@ -20,6 +20,7 @@ from speedtronic.errors import TransportError
 from speedtronic_diloco.codecs import encode_global
 from speedtronic_diloco.fragment_files import fragment_header, fragment_tensors
 from speedtronic_diloco.fragments import FragmentLayout
+from speedtronic_diloco.master.state import OuterState
 from speedtronic_diloco.retry import RetryPolicy
 from speedtronic_diloco.signing import sign_file
 from speedtronic_diloco.tensors import TensorDict, save_tensors
@@ -48,6 +49,34 @@ class Publication:
     layout: FragmentLayout | None  # one file per fragment of this layout, or one whole file
     versions: Sequence[int] = ()  # per fragment
     known: Sequence[FragmentFile | None] = ()  # this master's published file per fragment
+
+    @classmethod
+    def of(
+        cls,
+        state: OuterState,
+        master: str,
+        extra: dict[str, Any],
+        deltas_included: int,
+        fragment_files: bool,
+    ) -> Publication:
+        """What publishing ``state`` means: its global, ledger window and node summaries,
+        ``extra`` (the last round's entry) plus the fragment book's; one file per fragment
+        where the store has ``fragment_files``."""
+        assert state.global_state is not None
+        book = state.fragments
+        extra = {**extra, **book.extra()}
+        ledger, nodes = state.processed.published()
+        fields = {
+            "master": master,
+            "deltas_included": deltas_included or int(extra.get("deltas_included", 0)),
+            "processed": ledger,
+            "extra": extra,
+            "nodes": nodes,
+            "eval_loss": extra.get("eval_loss"),
+        }
+        layout = book.publishes_files(fragment_files)
+        versions, files = list(book.versions), list(book.files)
+        return cls(state.outer_step, state.global_state, fields, layout, versions, files)
 
 
 class Publisher:

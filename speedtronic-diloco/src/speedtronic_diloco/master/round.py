@@ -17,8 +17,9 @@ held-out loss): a bad candidate is refused and the result says the loop halts.
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -30,12 +31,15 @@ from speedtronic_diloco.aggregation import (
     screen_round,
 )
 from speedtronic_diloco.fragments import step_fragments
+from speedtronic_diloco.ledger import DeltaLedger
 from speedtronic_diloco.master.intake import Fetched, Intaken, Refused, Rejection
 from speedtronic_diloco.master.state import KEEP_SIGNATURES, NORM_HISTORY, OuterState
 from speedtronic_diloco.tensors import TensorDict, compute_dtype, floating_only
 from speedtronic_diloco.transports.base import DeltaInfo
 
-__all__ = ["OuterPolicy", "RoundResult", "nesterov_step", "run_round"]
+__all__ = ["OuterPolicy", "RoundResult", "guarded", "nesterov_step", "run_round"]
+
+log = logging.getLogger("speedtronic.diloco.outer")
 
 
 def nesterov_step(
@@ -94,6 +98,56 @@ class RoundResult:
     contributions: tuple[Any, ...] = field(default=(), compare=False, repr=False)
     groups: dict[int, list[Any]] = field(default_factory=dict, compare=False, repr=False)
     threshold: float | None = field(default=None, compare=False, repr=False)
+
+    def record(self, ledger: DeltaLedger, contents: Mapping[tuple[str, int], str | None]) -> None:
+        """Note this round's deltas in ``ledger``, by content (``contents``: key -> sha256 of
+        the downloaded bytes; the listing's etag where there is none)."""
+        checked = {d.info.key: d for d in self.checked}
+        marks = [(i, True, None) for i in self.accepted]
+        marks += [(i, False, why) for i, why in self.refusals]
+        for info, accepted, why in marks:
+            delta = checked.get(info.key)
+            ledger.record(
+                info,
+                contents.get(info.key) or f"etag:{info.etag}",
+                outer_step=self.outer_step,
+                accepted=accepted,
+                reason=None if why is None else f"{why.reason}: {why}",
+                base_outer_step=delta.base_outer_step if delta is not None else None,
+                norm=delta.norm if delta is not None else (why.norm if why else None),
+            )
+
+    def published_extra(self) -> dict[str, Any]:
+        """This round's entry in the published metadata's ``extra``."""
+        return {
+            "outer_step": self.outer_step,
+            "deltas_included": len(self.accepted),
+            "round": {
+                "nodes": list(self.nodes),
+                "base_outer_steps": list(self.base_outer_steps),
+                "waited_s": round(self.waited_s, 3),
+                "reason": self.reason,
+            },
+            **({"eval_loss": self.eval_loss} if self.eval_loss is not None else {}),
+        }
+
+
+def guarded(
+    evaluate: Callable[[TensorDict], float] | None,
+) -> Callable[[TensorDict], float | None] | None:
+    """``evaluate`` returning None (with a warning) instead of raising: an evaluation problem
+    must not stop the outer loop."""
+    if evaluate is None:
+        return None
+
+    def safely(weights: TensorDict) -> float | None:
+        try:
+            return float(evaluate(weights))
+        except Exception as exc:
+            log.warning("evaluating the new global failed (%s: %s)", type(exc).__name__, exc)
+            return None
+
+    return safely
 
 
 def run_round(
