@@ -142,9 +142,9 @@ class DumbDiLoCoCoordinator:
         )
         self.outer: MasterOuterLoop | None = None
         own = OwnProgress(
-            self.config.keep_own_progress
-            and self.config.install_at == "boundary"
-            and self.ctx.book.count == 1  # own progress is defined for whole-model installs
+            self.ctx.book.own_progress(
+                self.config.keep_own_progress and self.config.install_at == "boundary"
+            )
         )
         self.uploads = Uploads(self.ctx, own)
         self.installer = Installer(self.ctx, own, lambda: self.outer)

@@ -399,6 +399,11 @@ class FragmentBook:
             "global weights of" if self.layout is None else f"fragments {list(fragments)} of global"
         )
 
+    def own_progress(self, wanted: bool) -> bool:
+        """Whether a node keeps its own unaggregated deltas across installs
+        (``keep_own_progress``): defined for whole-model installs, a book of one."""
+        return wanted and self.layout is None
+
     def exact_target(self) -> bool:
         """True when a landed delta's target is the node's weights at its step (one fragment);
         with several, the other fragments moved on since."""

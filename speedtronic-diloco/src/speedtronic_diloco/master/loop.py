@@ -165,7 +165,7 @@ class MasterOuterLoop(OuterStateKeeper):
         with self._lock:
             self.state.published_step = max(self.state.published_step, step)
             self.last_published = published
-            if item.layout is not None:
+            if published.fragment_files:  # published one file per fragment
                 self.state.fragments.files = list(published.fragment_files)
         with contextlib.suppress(OSError):
             self.save()
