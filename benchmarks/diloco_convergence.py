@@ -56,8 +56,8 @@ from speedtronic.data import ByteTextStream, SyntheticTokenStream
 from speedtronic_diloco.config import DistributedConfig
 from speedtronic_diloco.coordinator import DumbDiLoCoCoordinator
 from speedtronic_diloco.fragments import FragmentSchedule
-from speedtronic_diloco.shared_dir import SharedDirectoryTransport
-from speedtronic_diloco.transport import DeltaInfo, GlobalMetadata, Transport
+from speedtronic_diloco.transports import DeltaInfo, GlobalMetadata, Transport
+from speedtronic_diloco.transports.shared_dir import SharedDirectoryTransport
 from speedtronic_models import ReferenceTransformer
 
 MODEL = dict(vocab_size=256, max_seq_len=32, n_layer=2, n_head=2, n_kv_head=1, d_model=32)

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from diloco_fakes import SETTLE, wait_for
+from diloco_runs import tiny_run
 
 import speedtronic
 from speedtronic import hookimpl, plugins
@@ -96,39 +97,12 @@ def recorder() -> Iterator[RunRecorder]:
 
 
 def config_dict(tmp_path: Path, **distributed: Any) -> dict[str, Any]:
-    section = {
-        "enabled": True,
-        "role": "master",
-        "node_id": "m",
-        "repo_id": f"file://{tmp_path}/store",
-        "inner_steps": 4,
-        "poll_interval": 0.05,
-        "max_retries": 0,
-    }
-    section.update(distributed)
-    return {
-        "run": {
-            "name": "t",
-            "max_steps": 12,
-            "device": "cpu",
-            "seed": 0,
-            "output_dir": str(tmp_path / "run"),
-        },
-        "model": {
-            "name": "reference_transformer",
-            "vocab_size": 32,
-            "max_seq_len": 16,
-            "n_layer": 1,
-            "n_head": 2,
-            "n_kv_head": 1,
-            "d_model": 16,
-        },
-        "data": {"micro_batch_size": 4},
-        "precision": {"mode": "fp32"},
-        "logging": {"log_every": 4, "progress": False},
-        "checkpoint": {"interval": 6},
-        "distributed": section,
-    }
+    return tiny_run(
+        tmp_path,
+        logging={"log_every": 4},
+        checkpoint={"interval": 6},
+        distributed=distributed,
+    )
 
 
 def test_public_names_resolve_through_core() -> None:
@@ -142,7 +116,7 @@ def test_public_names_resolve_through_core() -> None:
 
     assert seed_era_config is DistributedConfig
     assert seed_era_coordinator is DumbDiLoCoCoordinator is seed_era_alias
-    assert MasterOuterLoop.__module__ == "speedtronic_diloco.outer"
+    assert MasterOuterLoop.__module__ == "speedtronic_diloco.master.loop"
     assert SyncResult(pushed=True, loaded_global=False, outer_step=3).outer_step == 3
     (row,) = [p for p in list_plugins() if p.name == "diloco"]
     assert {"config_sections", "after_optimizer_step", "on_checkpoint", "data_seed"} <= set(

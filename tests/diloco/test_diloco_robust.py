@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from diloco_fakes import MemoryTransport, make_net
+from diloco_fakes import MemoryTransport, make_master, make_net
 
 from speedtronic.cli import main as cli_main
 from speedtronic.errors import SpeedtronicError
@@ -27,7 +27,8 @@ from speedtronic_diloco.aggregation import (
     lower_median,
     screen_round,
 )
-from speedtronic_diloco.outer import MasterOuterLoop, history_steps, roll_back
+from speedtronic_diloco.master.history import history_steps, roll_back
+from speedtronic_diloco.master.loop import MasterOuterLoop
 from speedtronic_diloco.signing import SignatureError, sign_file, verify_file
 from speedtronic_diloco.tensors import cpu_state_dict, load_tensors, save_tensors
 from speedtronic_diloco.transports import DeltaInfo, delta_path
@@ -78,19 +79,7 @@ def put(
 def make_loop(
     store: MemoryTransport, tmp_path: Path, events: list | None = None, **rules: Any
 ) -> MasterOuterLoop:
-    loop = MasterOuterLoop(
-        store,
-        node_id="m",
-        state_dir=tmp_path / "state",
-        cache_dir=tmp_path / "cache",
-        outer_lr=0.7,
-        outer_momentum=0.0,
-        emit=(lambda e, p: events.append((e, p))) if events is not None else None,
-        rules=AggregationRules(**rules),
-    )
-    if loop.global_state is None:
-        loop.bootstrap(weights())
-    return loop
+    return make_master(store, tmp_path, events=events, rules=rules, start=weights())
 
 
 def checked(tmp_path: Path, node: str, step: int, delta: dict, base: int | None = 0) -> Any:
@@ -148,16 +137,7 @@ def test_round_policy_on_a_fake_clock() -> None:
 def test_outer_thread_tick_waits_for_quorum_then_times_out(tmp_path: Path) -> None:
     store = MemoryTransport()
     clock = FakeClock()
-    loop = MasterOuterLoop(
-        store,
-        node_id="m",
-        state_dir=tmp_path / "state",
-        cache_dir=tmp_path / "cache",
-        outer_lr=0.7,
-        outer_momentum=0.0,
-        rules=AggregationRules(min_deltas=2, round_timeout=5.0),
-        clock=clock,
-    )
+    loop = make_master(store, tmp_path, rules={"min_deltas": 2, "round_timeout": 5.0}, clock=clock)
     loop.bootstrap(weights())
     put(store, tmp_path, "a", 5, delta_like(seed=1))
     assert loop.tick() is None  # one node of two: wait

@@ -144,8 +144,8 @@ def on_train_start(trainer: Any) -> None:
     from speedtronic_diloco.coordinator import DumbDiLoCoCoordinator
 
     run = _run_for(trainer)
-    parallel = getattr(trainer, "parallel", None)
-    if parallel is not None and parallel.enabled:
+    parallel = trainer.parallel
+    if parallel.enabled:
         if section.install_at != "boundary":
             raise PluginError(
                 "distributed.install_at: a DiLoCo node that is a DDP group installs globals at "
@@ -169,7 +169,7 @@ def on_train_start(trainer: Any) -> None:
         run.checkpointed = None
     trainer.reset_optimizer_on_weight_replace = section.reset_inner_optimizer
     run.coordinator.start()
-    if parallel is not None and parallel.enabled:
+    if parallel.enabled:
         _broadcast_weights(trainer.model)  # the start may have installed the current global
 
 
@@ -182,8 +182,7 @@ def after_optimizer_step(trainer: Any, model: Any, step: int) -> bool | None:
     replaced: bool | None = None
     if coordinator is not None and coordinator.started:
         replaced = coordinator.after_optimizer_step(model, step, final=final)
-    parallel = getattr(trainer, "parallel", None)
-    if parallel is None or not parallel.enabled or _section(trainer.config) is None:
+    if not trainer.parallel.enabled or _section(trainer.config) is None:
         return replaced
     return _agree_across_ranks(trainer, model, step, final, bool(replaced))
 
@@ -295,7 +294,7 @@ def global_evaluator(trainer: Any, section: DistributedConfig) -> Any:
     generators restored afterwards, so training is not disturbed."""
     if section.role != "master":
         return None
-    evaluator = getattr(trainer, "evaluator", None)
+    evaluator = trainer.evaluator
     wanted = section.eval_globals if section.eval_globals is not None else evaluator is not None
     if not wanted:
         return None
@@ -314,8 +313,7 @@ def global_evaluator(trainer: Any, section: DistributedConfig) -> Any:
     cpu = torch.device("cpu")
     saved = rng_state()
     try:
-        source = evaluator.source
-        iterator = source.iterate(0) if hasattr(source, "iterate") else iter(source)
+        iterator = evaluator.source.iterate(0)  # the run's held-out DataSource, from its start
         batches = []
         for _ in range(evaluator.batches):
             try:
