@@ -30,7 +30,7 @@ from speedtronic_diloco.codecs import (
 )
 from speedtronic_diloco.config import DistributedConfig
 from speedtronic_diloco.lease import LeaseHeldError, LeaseKeeper, describe_lease
-from speedtronic_diloco.outer import MasterOuterLoop
+from speedtronic_diloco.master.loop import MasterOuterLoop
 from speedtronic_diloco.retry import RetryPolicy
 from speedtronic_diloco.status import collect_status, summary_lines
 from speedtronic_diloco.tensors import cpu_state_dict, save_tensors

@@ -16,7 +16,7 @@ from speedtronic import DataError
 from speedtronic.metrics import JsonlSink
 from speedtronic.plot import read_run
 from speedtronic_diloco.aggregation import AggregationRules
-from speedtronic_diloco.outer import MasterOuterLoop
+from speedtronic_diloco.master.loop import MasterOuterLoop
 from speedtronic_diloco.status import collect_status, history_panels, plot_history
 from speedtronic_diloco.tensors import cpu_state_dict, save_tensors
 from speedtronic_diloco.transports.shared_dir import SharedDirectoryTransport
