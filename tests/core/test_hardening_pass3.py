@@ -197,3 +197,29 @@ def test_the_lock_of_a_dead_run_is_taken_over(tmp_path: Path) -> None:
     assert "pid" in (directory / LOCK_NAME).read_text()
     result, _, _ = train(tiny_transformer_run(tmp_path))
     assert result.steps == 16
+
+
+# ---------------------------------------------------------------- own pass: NaN weights out
+
+
+@pytest.mark.slow
+def test_export_and_generate_refuse_a_checkpoint_of_nan_weights(tmp_path: Path) -> None:
+    """A diverged run (max_nan_steps off) saves NaN weights; exporting or sampling them used
+    to exit 0 with a model that only ever produces NaN."""
+    config = tiny_transformer_run(
+        tmp_path / "run", run={"max_steps": 4, "max_nan_steps": None}, **DIVERGING
+    )
+    config["checkpoint"] = {"interval": 0, "save_final": True}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(config))
+    env = plugin_env(load=None)
+    assert run_cli("train", "--config", str(path), env=env, timeout=300).returncode == 0
+    exported = run_cli(
+        "export", "--config", str(path), "--out", str(tmp_path / "hf"), env=env, timeout=300
+    )
+    assert "NaN or infinite weights" in user_error_line(exported)
+    assert not (tmp_path / "hf" / "model.safetensors").exists()
+    sampled = run_cli(
+        "generate", "--config", str(path), "--prompt", "hi", "--max-new-tokens", "2", env=env
+    )
+    assert "NaN or infinite weights" in user_error_line(sampled)
