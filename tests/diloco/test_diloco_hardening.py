@@ -163,6 +163,13 @@ def test_a_secret_put_in_node_id_is_refused_and_never_echoed(
     assert "node_id" in str(info.value) and key not in str(info.value)
 
 
+@pytest.mark.parametrize("field", ["repo_id", "endpoint"])
+def test_a_secret_put_in_the_store_address_is_refused(field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        DistributedConfig(**{field: KEY, "signing_key": KEY})
+    assert field in str(info.value) and KEY not in str(info.value)
+
+
 def test_any_check_of_a_section_hides_its_secret_values() -> None:
     """Core's rule: a section's own checks never echo a value equal to one of its secrets,
     even where a check quotes the value it refuses."""

@@ -68,7 +68,7 @@ class RunConfig(Section):
         20,
         ge=1,
         help="Stop the run with an error once this many optimizer steps in a row had a NaN or "
-        "infinite loss (counted on the device, read every quarter of that many steps); null: "
+        "infinite loss (counted on the device, read every half of that many steps); null: "
         "never stop for it.",
     )
     threads: int | None = option(
@@ -107,10 +107,6 @@ class RunConfig(Section):
                 )
 
 
-#: Keys that cannot be model parameters (see ModelConfig).
-RESERVED_MODEL_PARAMS = ("name", "params")
-
-
 @dataclass
 class ModelConfig:
     """The ``model`` section: a registered ``name`` plus free parameters for its factory."""
@@ -120,11 +116,12 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         # The factory is called as build(name, **params): a parameter called ``name`` would
-        # collide with the model's name, one called ``params`` would not survive to_dict().
-        for key in self.params:
+        # collide with the model's name; a mapping called ``params`` would be read back as
+        # the nested form by from_mapping(to_dict()) (a scalar one survives and is allowed).
+        for key, value in self.params.items():
             if not isinstance(key, str):
                 raise ConfigError(f"parameter names must be strings, got {key!r}"[:200], "model")
-            if key in RESERVED_MODEL_PARAMS:
+            if key == "name" or (key == "params" and isinstance(value, Mapping)):
                 raise ConfigError(
                     "is a reserved key (model.name names the model, model.params holds its "
                     "parameters); rename the parameter",

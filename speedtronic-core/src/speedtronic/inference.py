@@ -30,6 +30,7 @@ __all__ = [
     "RunTokenizer",
     "TrainedModel",
     "load_trained_model",
+    "non_finite_tensors",
     "read_checkpoint",
     "run_tokenizer",
 ]
@@ -113,10 +114,30 @@ def load_trained_model(
             f"{source} does not fit model {config.model.name!r} of this config ({mismatch})"
         )
     model.load_state_dict(state)
+    broken = non_finite_tensors(model)
+    if broken:
+        raise CheckpointError(
+            f"{source} holds NaN or infinite weights (in the model's dtype) in "
+            f"{', '.join(broken[:4])}{' and more' if len(broken) > 4 else ''}: the run diverged "
+            "or the file was damaged; use an earlier checkpoint (--checkpoint PATH)"
+        )
     if device is not None:
         model = model.to(device)
     model.eval()
     return TrainedModel(model=model, source=source, step=step)
+
+
+def non_finite_tensors(model: Any) -> list[str]:
+    """The names of ``model``'s floating parameters holding NaN or infinity (read after
+    loading, so in the model's own dtype: float64 1e300 in a float32 model is infinite).
+    Buffers are left alone: a mask buffer may hold -inf by design."""
+    import torch
+
+    return [
+        name
+        for name, tensor in model.named_parameters()
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())
+    ]
 
 
 @dataclass(frozen=True)

@@ -726,14 +726,14 @@ class Trainer:
     def _count_nan_step(self, loss: torch.Tensor) -> None:
         """Count optimizer steps in a row with a non-finite loss (on the device: no sync), and
         stop the run once ``run.max_nan_steps`` failed in a row. The count is read every
-        quarter of that (one host sync, not one per step); every rank reads it at the same
+        half of that (one host sync, not one per step); every rank reads it at the same
         step, as the mean of the ranks' counts, so all stop together."""
         limit = self.config.run.max_nan_steps
         if not limit:
             return
         finite = torch.isfinite(loss.detach())
         self._nan_steps = torch.where(finite, 0, self._nan_steps.to(loss.device) + 1)
-        if self.step % max(1, limit // 4):
+        if self.step % max(1, limit // 2):
             return
         count = float(self.parallel.mean(self._nan_steps.float()).item())
         if count >= limit:

@@ -279,15 +279,18 @@ class DistributedConfig(Section):
     )
 
     def validate(self) -> None:
-        if self.node_id is not None:
-            secret = self._secret_equal_to(self.node_id)
+        # The node id names the node's files in the store and the repo id is in every log
+        # line about the store: a secret put there by mistake would be published.
+        for name in ("node_id", "repo_id", "endpoint"):
+            value = getattr(self, name)
+            secret = self._secret_equal_to(value) if value is not None else None
             if secret is not None:
-                # The node id names the node's files in the store: a key there is published.
                 raise ConfigError(
-                    f"is the same value as {secret}; a secret must not be a node id (the value "
+                    f"is the same value as {secret}; a secret must not be used here (the value "
                     "is not shown)",
-                    "node_id",
+                    name,
                 )
+        if self.node_id is not None:
             validate_node_id(self.node_id, "node_id")
         if self.enabled and not self.repo_id:
             raise ConfigError("is required when distributed.enabled is true", "repo_id")

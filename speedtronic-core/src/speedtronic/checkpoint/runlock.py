@@ -8,9 +8,10 @@ refused while they live.
 The lock is an exclusive ``flock`` on ``.run.lock`` taken without waiting. The kernel drops it
 when the holding process dies, however it dies, so a lock left by a killed run is never
 stale: the next run simply takes it (the pid, host and start time written into the file by a
-dead holder are overwritten). The file itself stays: deleting it while another process may
-be opening it would let two runs lock two different files of the same name. A filesystem
-without ``flock`` (some network mounts) runs unlocked, with a warning.
+dead holder are overwritten). A run that ends removes the file while it still holds the lock,
+and a run taking the lock checks that the file it locked still has the name, so two runs can
+never lock two different files of the same name. A filesystem without ``flock`` (some network
+mounts) runs unlocked, with a warning.
 """
 
 from __future__ import annotations
@@ -57,25 +58,37 @@ class RunLock:
             return cls(Path(directory) / LOCK_NAME, None)
         path = Path(directory) / LOCK_NAME
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read_holder(fd)
+        for _ in range(10):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise CheckpointError(
+                    f"{path.parent} is in use by another live run ({holder}); wait for it to "
+                    "finish or stop it (after a killed launcher, its ranks may still run), or "
+                    "choose another --output-dir (run.output_dir) / checkpoint.directory"
+                ) from None
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    log.warning(
+                        "%s: no file locks on this filesystem; running without a run lock", path
+                    )
+                    return cls(path, None)
+                raise
+            # A releasing run unlinks the file before unlocking it: the lock only counts if
+            # it is on the file that still has the name.
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
             os.close(fd)
-            raise CheckpointError(
-                f"{path.parent} is in use by another live run ({holder}); wait for it to "
-                "finish or stop it (after a killed launcher, its ranks may still run), or "
-                "choose another --output-dir (run.output_dir) / checkpoint.directory"
-            ) from None
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                log.warning(
-                    "%s: no file locks on this filesystem; running without a run lock", path
-                )
-                return cls(path, None)
-            raise
+        else:
+            raise CheckpointError(f"{path}: the run lock kept being replaced; try again")
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         line = f"pid {os.getpid()} on {socket.gethostname()} since {stamp}\n".encode()
         try:
@@ -92,9 +105,11 @@ class RunLock:
             return
         import fcntl
 
+        # Unlinked while still locked (see acquire), so the directory keeps no trace of the
+        # run; unlocked explicitly, as a forked child (a data worker) may share the descriptor.
         with contextlib.suppress(OSError):
-            os.ftruncate(fd, 0)
-            # Unlock explicitly: a forked child (a data worker) may still share the descriptor.
+            self.path.unlink()
+        with contextlib.suppress(OSError):
             fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
 

@@ -328,16 +328,20 @@ def _locked(out: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _removed_on_failure(out: Path | None) -> Iterator[None]:
-    """A failed prepare leaves no trace of an ``--out`` it created itself: its lock file goes,
-    then the directory, if nothing else is in it (the lock is released by then)."""
+def _removed_on_failure(out: Path, created: Path | None) -> Iterator[None]:
+    """A failed prepare leaves no trace of directories it created itself (``created``: the
+    highest of them, ``--out`` or a parent): its lock file goes, then each directory up to
+    ``created`` that is empty (the lock is released by then)."""
     try:
         yield
     except BaseException:
-        if out is not None:
+        if created is not None:
             with contextlib.suppress(OSError):
                 (out / _LOCK_NAME).unlink(missing_ok=True)
-                out.rmdir()  # only when empty: never someone else's files
+                for directory in (out, *out.parents):
+                    directory.rmdir()  # only when empty: never someone else's files
+                    if directory == created:
+                        break
         raise
 
 
@@ -484,7 +488,12 @@ def prepare(
     tasks = group_tasks(plan_pieces(files, read, task_bytes, skips), task_bytes)
     options = TaskOptions(read, append_eos, int(eval_fraction * 2**64))
 
-    created = not out.exists()
+    # The highest directory this prepare creates (--out or a missing parent of it).
+    created: Path | None = None
+    for candidate in (out, *out.parents):
+        if candidate.exists():
+            break
+        created = candidate
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -492,7 +501,7 @@ def prepare(
     documents = dict.fromkeys(SPLITS, 0)
     tokens = dict.fromkeys(SPLITS, 0)
     empty = input_bytes = 0
-    with _removed_on_failure(out if created else None), _locked(out):
+    with _removed_on_failure(out, created), _locked(out):
         for stale in out.glob(_STAGING_PREFIX + "*"):
             shutil.rmtree(stale, ignore_errors=True)  # left by a killed prepare
         staging = Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=out))
