@@ -747,7 +747,8 @@ def test_generate_from_a_diverged_checkpoint_is_one_error(
     config, checkpoints = run_copy(trained, tmp_path)
     poison_weights(checkpoints / checkpoint_name(4))
     line = cli_error(capsys, "generate", "-c", str(config), "-p", "hi")
-    assert line.startswith("error: the model's logits are not finite (NaN or inf)")
+    assert line.startswith(f"error: checkpoint {checkpoints / checkpoint_name(4)} holds NaN")
+    assert "use an earlier checkpoint (--checkpoint PATH)" in line
 
 
 def test_a_bad_eval_text_path_is_named_as_eval_not_data(
