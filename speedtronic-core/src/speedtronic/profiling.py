@@ -88,10 +88,16 @@ class StepProfiler:
         return self.path
 
     def close(self) -> None:
-        """Stop a window a failed run left open (nothing is written then)."""
+        """Stop a window the run left open (it failed, or ended before ``end``); nothing is
+        written then."""
         if self._profiler is not None:
             profiler, self._profiler = self._profiler, None
             profiler.__exit__(None, None, None)
+            log.warning(
+                "the run ended inside the profiler window (steps %d to %d): no trace written",
+                self.start,
+                self.end,
+            )
 
 
 def build_profiler(
