@@ -139,6 +139,8 @@ def stall_run(name: str, background: bool, device: str, workdir: Path) -> tuple[
     durations = {s: stamps[s] - stamps[s - 1] for s in stamps if s - 1 in stamps and s > 3}
     carrying = [d for s, d in durations.items() if (s - 1) % interval == 0]
     plain = [d for s, d in durations.items() if (s - 1) % interval]
+    if not plain or not carrying:
+        raise SystemExit(f"{name}: the run logged too few steps to compare ({sorted(stamps)})")
     return statistics.median(plain), statistics.median(carrying)
 
 
