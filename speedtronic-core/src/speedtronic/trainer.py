@@ -584,6 +584,10 @@ class Trainer:
                     "precision": self.precision.mode,
                     "accumulation_steps": self.accumulation_steps,
                     "compiled": self.compiled.active,
+                    "data": {
+                        "source": getattr(self.data, "description", type(self.data).__name__),
+                        "split": getattr(self.data, "split", "") or "not split",
+                    },
                     "config": self.config.to_dict(redact=True),
                 },
             )
