@@ -355,6 +355,7 @@ def outer_rows(master_events: list[dict[str, Any]], nodes: int) -> list[dict[str
         rows.append(
             {
                 "outer_step": int(event["outer_step"]),
+                "included": str(event.get("included", "")),
                 "node_step": max(steps) if steps else None,
                 "nodes": int(event.get("nodes_included", 0)),
                 "deltas": int(event.get("deltas_included", 0)),
@@ -455,8 +456,11 @@ def _run(args: argparse.Namespace, overrides: dict[str, Any], root: Path) -> Res
     half = len(evaluated) // 2
     first_best = min((r["global_loss"] for r in evaluated[:half]), default=None)
     second_worst = max((r["global_loss"] for r in evaluated[half:]), default=None)
+    best = min(evaluated, key=lambda r: r["global_loss"], default=None)
     summary: dict[str, Any] = {
         "final_global": final_global,
+        "best_global": best["global_loss"] if best else None,
+        "best_global_outer_step": best["outer_step"] if best else None,
         "one_node": one,
         "n_x_batch": big,
         "nodes_own": own,
@@ -526,6 +530,7 @@ def report(result: Result) -> None:
         f"{s['nodes']} x batch {fmt(m['n_x_batch'], 0)} | nodes' own: {own}"
     )
     print(
+        f"best global {fmt(m['best_global'], 0)} (outer step {m['best_global_outer_step']}); "
         f"global / one node {fmt(m['global_over_one_node'], 0)}, global / N x batch "
         f"{fmt(m['global_over_n_x_batch'], 0)}, gap closed {fmt(m['gap_closed'], 0)}"
     )
