@@ -210,10 +210,15 @@ def main(argv: list[str] | None = None) -> int:
     first = next(r for r in collected if r["index"] == 0)
     curve = {int(k): v for k, v in first["curve"].items()}
     final = curve[max(curve)]
+    outer_lr = args.outer_lr if args.outer_lr is not None else section.get("outer_lr", 0.7)
+    outer_momentum = (
+        args.outer_momentum
+        if args.outer_momentum is not None
+        else section.get("outer_momentum", 0.9)
+    )
     print(
         f"\ntorchft DiLoCo {args.nodes} replicas, H {args.inner_steps}, {args.steps} steps x "
-        f"batch {args.batch}, outer lr/momentum {section.get('outer_lr')}/"
-        f"{section.get('outer_momentum')} (overrides: {args.outer_lr}/{args.outer_momentum})"
+        f"batch {args.batch}, outer lr {outer_lr}, Nesterov momentum {outer_momentum}"
     )
     print(" ".join(f"{s}:{v:.3f}" for s, v in sorted(curve.items())))
     print(f"final global held-out loss {final:.3f}; wall {wall:.0f} s; load {load_before}")
