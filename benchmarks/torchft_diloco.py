@@ -67,7 +67,6 @@ def replica(
     index: int,
     args: argparse.Namespace,
     config: dict[str, Any],
-    section: dict[str, Any],
     lighthouse: str,
     out: Any,
 ) -> None:
@@ -103,12 +102,7 @@ def replica(
         )
     batches = data.iterate(0)
     outer = torch.optim.SGD(
-        model.parameters(),
-        lr=args.outer_lr if args.outer_lr is not None else section.get("outer_lr", 0.7),
-        momentum=args.outer_momentum
-        if args.outer_momentum is not None
-        else section.get("outer_momentum", 0.9),
-        nesterov=True,
+        model.parameters(), lr=args.outer_lr, momentum=args.outer_momentum, nesterov=True
     )
     store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     long = timedelta(seconds=600)
@@ -175,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     config["checkpoint"] = {"save_final": False}
     # The replicas run plain speedtronic (no DumbDiLoCo): torchft synchronises them.
     section = config.pop("distributed")
+    if args.outer_lr is None:
+        args.outer_lr = section.get("outer_lr", 0.7)
+    if args.outer_momentum is None:
+        args.outer_momentum = section.get("outer_momentum", 0.9)
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=args.nodes)
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
@@ -183,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     processes = [
         context.Process(
             target=replica,
-            args=(i, args, config, section, lighthouse.address(), results),
+            args=(i, args, config, lighthouse.address(), results),
         )
         for i in range(args.nodes)
     ]
@@ -210,15 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     first = next(r for r in collected if r["index"] == 0)
     curve = {int(k): v for k, v in first["curve"].items()}
     final = curve[max(curve)]
-    outer_lr = args.outer_lr if args.outer_lr is not None else section.get("outer_lr", 0.7)
-    outer_momentum = (
-        args.outer_momentum
-        if args.outer_momentum is not None
-        else section.get("outer_momentum", 0.9)
-    )
     print(
         f"\ntorchft DiLoCo {args.nodes} replicas, H {args.inner_steps}, {args.steps} steps x "
-        f"batch {args.batch}, outer lr {outer_lr}, Nesterov momentum {outer_momentum}"
+        f"batch {args.batch}, outer lr {args.outer_lr}, Nesterov momentum {args.outer_momentum}"
     )
     print(" ".join(f"{s}:{v:.3f}" for s, v in sorted(curve.items())))
     print(f"final global held-out loss {final:.3f}; wall {wall:.0f} s; load {load_before}")
