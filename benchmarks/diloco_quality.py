@@ -140,6 +140,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 setattr(args, key, value)
     if args.nodes < 2:
         parser.error("--nodes must be at least 2 (a master and a worker)")
+    if args.rounds is not None and "rounds" not in distributed_keys():
+        parser.error(
+            "--rounds: this version has no distributed.rounds key (sync rounds are not built "
+            "yet); leave --rounds out"
+        )
+    if args.node_data == "same" and "node_split" not in data_keys():
+        parser.error("--node-data same: this version has no data.node_split key")
     if args.inner_steps < 1 or args.steps < args.inner_steps:
         parser.error("need 1 <= --inner-steps <= --steps")
     return args
@@ -227,15 +234,8 @@ def base_config(args: argparse.Namespace, shards: Path, vocab: int, root: Path) 
         }
     )
     if args.rounds is not None:
-        if "rounds" not in distributed_keys():
-            raise SystemExit(
-                "--rounds: this version has no distributed.rounds key (sync rounds are not "
-                "built yet); leave --rounds out"
-            )
         section["rounds"] = args.rounds
     if args.node_data == "same":
-        if "node_split" not in data_keys():
-            raise SystemExit("--node-data same: this version has no data.node_split key")
         data["node_split"] = "none"
     return config
 
