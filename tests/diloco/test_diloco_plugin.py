@@ -169,6 +169,34 @@ def test_each_node_draws_its_own_data(tmp_path: Path) -> None:
     assert not torch.equal(batches[0], batches[1])
 
 
+def test_node_split_none_gives_every_node_the_same_stream_and_ranks_split(
+    tmp_path: Path,
+) -> None:
+    hooks = get_plugin_manager().hook
+
+    def loaded(node_split: str, **distributed: Any) -> SpeedtronicConfig:
+        raw = config_dict(tmp_path, **distributed)
+        raw["data"]["node_split"] = node_split
+        return SpeedtronicConfig.from_dict(raw)
+
+    assert hooks.data_seed(config=loaded("none", node_id="a"), seed=0) is None
+    ranked = {"node_id": "a", "num_nodes": 3, "node_rank": 2}
+    assert hooks.data_rank(config=loaded("auto", **ranked)) == (2, 3)
+    assert hooks.data_seed(config=loaded("auto", **ranked), seed=0) is None  # ranks split
+    assert hooks.data_rank(config=loaded("none", **ranked)) is None
+    with pytest.raises(ConfigError, match=r"data\.node_split"):
+        loaded("sometimes")
+    splits = {}
+    for node_split in ("auto", "none"):
+        runtime = build_runtime(
+            {**config_dict(tmp_path, node_id="a"), "data": {"node_split": node_split}},
+            console=False,
+        )
+        splits[node_split] = runtime.data.split
+        runtime.metrics.close()
+    assert splits["auto"].startswith("own order") and splits["none"] == "not split"
+
+
 def test_master_training_run_through_hooks(tmp_path: Path, recorder: RunRecorder) -> None:
     events: list[tuple[str, dict[str, Any]]] = []
     runtime = build_runtime(

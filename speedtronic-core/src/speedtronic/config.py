@@ -183,7 +183,14 @@ class DataConfig(Section):
         None, ge=2, help="Token id range of the synthetic stream; defaults to the model's."
     )
     seed: int | None = option(
-        None, help="Data-stream seed; defaults to `run.seed`. Plugins may offset it per node."
+        None, help="Data-stream seed; defaults to `run.seed`. Plugins may key it per node."
+    )
+    node_split: Literal["auto", "none"] = option(
+        "auto",
+        help="How the nodes of a multi-node run (DiLoCo) share the data. `auto`: ranked nodes "
+        "(`num_nodes`/`node_rank`) read disjoint slices, and nodes without a rank each read "
+        "their own order, keyed by the node id, from every built-in source; `none`: every node "
+        "reads the same stream (for experiments).",
     )
     num_workers: int = option(0, ge=0, help="DataLoader worker processes.")
     prefetch_factor: int | None = option(

@@ -128,10 +128,13 @@ def register_commands(subparsers: Any) -> None:
 
 @hookspec(firstresult=True)
 def data_seed(config: Any, seed: int) -> int | None:
-    """Return a replacement seed for the run's data stream, or ``None`` to keep ``seed``.
+    """Return a seed of this participant's own, or ``None`` to keep ``seed``.
 
-    Lets a plugin give each participant of a multi-node run its own samples (DumbDiLoCo derives
-    it from the node id) without touching the user's config. The first non-``None`` answer wins.
+    Lets a plugin give each participant of a multi-node run its own sample order (DumbDiLoCo
+    derives it from the node id) without touching the user's config: the answer keys every
+    built-in source (the synthetic samples, the shards' shuffle, and an order of the byte-level
+    and tokenized text and of map-style datasets, which a plain run reads in order). Evaluation
+    data is never keyed. The first non-``None`` answer wins.
     """
 
 

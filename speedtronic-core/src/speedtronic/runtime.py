@@ -180,11 +180,12 @@ def build_runtime(
         dataset,
         tokenizer,
         **model_limits(model, config.model.params),
-        seed=adjusted if adjusted is not None else seed,
+        seed=seed,
         rank=rank,
         num_ranks=num_ranks,
+        participant_seed=adjusted,
     )
-    log.info("data: %s", data.description)
+    log.info("data: %s; split: %s", data.description, data.split or "not split")
     # Under DDP, rank 0 alone prints and writes metric files.
     metrics = build_metric_logger(config, hooks, console) if parallel.is_main else MetricLogger()
     try:

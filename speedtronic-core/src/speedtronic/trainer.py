@@ -545,6 +545,10 @@ class Trainer:
                     "accumulation_steps": self.accumulation_steps,
                     "compiled": self.compiled.active,
                     **self.flops.start_fields(),
+                    "data": {
+                        "source": getattr(self.data, "description", type(self.data).__name__),
+                        "split": getattr(self.data, "split", "") or "not split",
+                    },
                     "config": self.config.to_dict(redact=True),
                 },
             )

@@ -1,7 +1,8 @@
 """Hook implementations wiring DumbDiLoCo into the Speedtronic trainer.
 
 - ``config_sections``: the ``distributed`` section;
-- ``data_seed``: a per-node seed for the synthetic token stream (derived from the node id);
+- ``data_seed`` / ``data_rank``: each node's data: its own order keyed by the node id, or
+  disjoint slices with ``num_nodes``/``node_rank`` (``data.node_split: none``: neither);
 - ``on_load_checkpoint`` (runs before train start): the coordinator state is kept aside and
   handed to the coordinator as its prepared startup state;
 - ``on_train_start`` / ``on_train_end``: coordinator start (the master gets an evaluator of its
@@ -88,12 +89,20 @@ def config_sections() -> dict[str, type]:
     return {"distributed": DistributedConfig}
 
 
+def _splits_by_node(config: Any) -> DistributedConfig | None:
+    """The ``distributed`` section when DumbDiLoCo is on and ``data.node_split`` is ``auto``
+    (``none``: every node reads the same stream)."""
+    section = _section(config)
+    if section is None or getattr(config.data, "node_split", "auto") == "none":
+        return None
+    return section
+
+
 @hookimpl
 def data_seed(config: Any, seed: int) -> int | None:
-    """A per-node data seed when DumbDiLoCo is on and the nodes are not ranked. Only the
-    synthetic token stream draws its samples from this seed; ``data.text_path`` and user
-    datasets are then not split by node (set ``num_nodes``/``node_rank`` for that)."""
-    section = _section(config)
+    """A seed keyed by the node id when the nodes are not ranked: every built-in source then
+    gives this node its own sample order (``data.node_split: auto``)."""
+    section = _splits_by_node(config)
     if section is None or section.num_nodes is not None:
         return None  # ranked nodes share the seed and split the samples (data_rank)
     return node_data_seed(seed, resolve_node_id(section.node_id))
@@ -114,8 +123,8 @@ def load_global_state(config: Any, model: Any) -> dict[str, Any] | None:
 @hookimpl
 def data_rank(config: Any) -> tuple[int, int] | None:
     """``(node_rank, num_nodes)`` when the config ranks the nodes: every source is then split
-    so nodes read disjoint samples."""
-    section = _section(config)
+    so nodes read disjoint samples (unless ``data.node_split: none``)."""
+    section = _splits_by_node(config)
     if section is None or section.num_nodes is None:
         return None
     return (section.node_rank or 0, section.num_nodes)

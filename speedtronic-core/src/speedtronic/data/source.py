@@ -31,6 +31,9 @@ class DataSource:
     # Micro-batches (of this rank) in one pass over finite data before samples repeat; None
     # for an endless stream (synthetic) or an unknown size. Evaluation reads at most this many.
     epoch_batches: int | None = None
+    # How this process's share was chosen ("not split", "disjoint slice 1 of 3", "own order
+    # (participant seed ...)"): logged and sent with the train_start event.
+    split: str = ""
 
     def iterate(self, start_sample: int = 0) -> Iterator[Any]:
         """An iterator over micro-batches starting at sample ``start_sample``."""

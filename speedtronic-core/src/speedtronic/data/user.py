@@ -27,9 +27,11 @@ def user_source(
     *,
     rank: int = 0,
     num_ranks: int = 1,
+    shuffle: bool | None = None,
 ) -> DataSource:
     """A :class:`DataSource` over a user dataset: a map-style one in a seeded per-epoch order
-    (exact resume), an iterable one epoch after epoch (resume re-reads and skips).
+    (``shuffle``, default ``data.shuffle``; exact resume), an iterable one epoch after epoch
+    (resume re-reads and skips).
 
     A map-style dataset is split by ``rank``/``num_ranks`` like the built-in streams: rank
     ``r`` takes positions ``i * num_ranks + r`` of the shared order (as DistributedSampler
@@ -38,6 +40,7 @@ def user_source(
     that takes ``rank``/``num_ranks`` receives them)."""
     data = config.data
     micro = data.micro_batch_size
+    shuffle = data.shuffle if shuffle is None else shuffle
     batch_size = None if getattr(dataset, "yields_batches", False) else micro
     name = type(dataset).__name__
 
@@ -63,7 +66,12 @@ def user_source(
                 rank,
                 num_ranks,
             )
-        return DataSource(iterate, exact_resume=False, description=name)
+        return DataSource(
+            iterate,
+            exact_resume=False,
+            description=name,
+            split="not split (an iterable dataset decides what each process reads)",
+        )
 
     try:
         length = len(dataset)  # type: ignore[arg-type]
@@ -76,7 +84,7 @@ def user_source(
         # Epoch e's order depends only on (seed, e), so resuming at any sample is exact.
         epoch, offset = divmod(start, length)
         while True:
-            if data.shuffle:
+            if shuffle:
                 generator = torch.Generator().manual_seed((seed * 1_000_003 + epoch) & _MASK64)
                 indices = torch.randperm(length, generator=generator).tolist()
             else:
