@@ -9,6 +9,7 @@ lines into RESULTS.md; docs cite a figure by its id (``[R:model_throughput.d128]
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from collections.abc import Sequence
 
@@ -20,11 +21,16 @@ def spread(values: Sequence[float]) -> tuple[float, float, float]:
     return min(values), statistics.median(values), max(values)
 
 
+def figure_id(name: str) -> str:
+    """``name`` as a row id: lower case letters, digits, ``_`` and ``.`` only."""
+    return re.sub(r"[^a-z0-9_.]+", "_", name.lower()).strip("_")
+
+
 def emit(figure: str, values: Sequence[float], *, unit: str, method: str, label: str = "") -> None:
     """Print the RESULT line of one figure measured once per round in ``values``."""
     low, middle, high = spread(values)
     record = {
-        "id": figure,
+        "id": figure_id(figure),
         "label": label or figure,
         "min": low,
         "median": middle,
