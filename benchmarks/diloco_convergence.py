@@ -592,8 +592,9 @@ def main() -> None:
             f"| {statistics.mean(per_seed[s]['error'] for s in setting.seeds):.4f} |"
         )
         if ratios:
+            suffix = ".quick" if args.quick else ""
             emit(
-                f"diloco_convergence.{setting.key}{'.quick' if args.quick else ''}",
+                f"diloco_convergence.{setting.key.replace('/', '.')}{suffix}",
                 ratios,
                 unit="x",
                 method=f"lock-step simulation in one process, {steps} steps per node, "
