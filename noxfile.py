@@ -68,6 +68,14 @@ def docs(session: nox.Session) -> None:
 
 
 @nox.session
+def benchmarks(session: nox.Session) -> None:
+    """Re-measure every published figure into benchmarks/RESULTS.md (quick modes; pass
+    ``-- --only NAME`` for some; not a default session: it takes many minutes)."""
+    install_all(session)
+    session.run("python", str(ROOT / "benchmarks" / "run_all.py"), "--quick", *session.posargs)
+
+
+@nox.session
 def wheels(session: nox.Session) -> None:
     """Build a wheel of every distribution, each on its own, into dist/; then prove that the
     core wheel alone (no plugins) gives a working ``speedtronic`` command."""

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from results import emit
 
 from speedtronic.checkpoint import CheckpointManager
 from speedtronic.checkpoint.fileio import atomic_write_with
@@ -254,6 +255,19 @@ def main() -> None:
             f"{on_disk / median['ours_save']:.0f} MB/s, load {on_disk / median['ours_load']:.0f}"
             " MB/s"
         )
+        method = f"wall-clock time, {rounds} interleaved rounds, {torch.get_num_threads()} threads"
+        for figure, ours, base, label in (
+            ("checkpoint.save_vs_torch_save", "ours_save", "bare_save", "save / torch.save"),
+            (
+                "checkpoint.save_vs_durable",
+                "ours_save",
+                "durable_save",
+                "save / durable torch.save",
+            ),
+            ("checkpoint.load", "ours_load", "bare_load", "load + restore / torch.load + restore"),
+        ):
+            ratios = [a / b for a, b in zip(times[ours], times[base], strict=True)]
+            emit(figure, ratios, unit="x", method=method, label=f"CheckpointManager {label}")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 

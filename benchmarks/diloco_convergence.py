@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from results import emit
 
 from speedtronic.data import ByteTextStream, SyntheticTokenStream
 from speedtronic_diloco.config import DistributedConfig
@@ -590,6 +591,16 @@ def main() -> None:
             f"| {dp_bytes / moved:.0f} | {up / 1024:.1f} | {down / 1024:.1f} "
             f"| {statistics.mean(per_seed[s]['error'] for s in setting.seeds):.4f} |"
         )
+        if ratios:
+            suffix = ".quick" if args.quick else ""
+            emit(
+                f"diloco_convergence.{setting.key.replace('/', '.')}{suffix}",
+                ratios,
+                unit="x",
+                method=f"lock-step simulation in one process, {steps} steps per node, "
+                f"{len(ratios)} seed(s) (spread over seeds)",
+                label="held-out loss, DiLoCo global / synchronous 4x batch",
+            )
     print(f"\n({time.monotonic() - started:.0f} s)")
 
 

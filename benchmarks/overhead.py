@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from results import emit
 from torch import nn
 
 from speedtronic import SpeedtronicConfig
@@ -219,6 +220,8 @@ def compare(
         "cpu_ratio_q3": quartiles[2],
         "base_cpu_ms": statistics.median(r[2] for r in rows) / steps * 1e3,
         "extra_cpu_us": statistics.median((r[3] - r[2]) for r in rows) / steps * 1e6,
+        "cpu_ratios": cpu_ratios,
+        "extra_cpu_us_rounds": [(r[3] - r[2]) / steps * 1e6 for r in rows],
     }
     print(f"final loss: baseline {losses[0]:.5f}, speedtronic {losses[1]:.5f}")
     return result
@@ -387,6 +390,21 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
             f"  tiny model: baseline step {tiny['base_cpu_ms']:.2f} ms CPU; speedtronic adds "
             f"{tiny['extra_cpu_us']:+.0f} us CPU per step (ratio {tiny['cpu_ratio']:.3f}), "
             f"{tiny['extra_cpu_us'] / 20e3 * 100:+.2f}% of a 20 ms step"
+        )
+        method = f"CPU time, {{}} interleaved rounds of {{}} steps, {args.threads} thread(s)"
+        emit(
+            "overhead.reference_cpu_ratio",
+            reference["cpu_ratios"],
+            unit="x",
+            method=method.format(rounds, steps),
+            label="Trainer.fit / hand-written loop, step CPU time, reference transformer",
+        )
+        emit(
+            "overhead.tiny_extra_us",
+            tiny["extra_cpu_us_rounds"],
+            unit="us",
+            method=method.format(tiny_rounds, tiny_steps),
+            label="CPU time Trainer.fit adds per step, tiny model",
         )
     metrics = results.get("metrics")
     if metrics is not None:

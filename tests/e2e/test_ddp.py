@@ -182,6 +182,36 @@ def test_token_shards_split_over_ranks_follow_one_process(tmp_path: Path) -> Non
     assert_same_curve(losses(single), losses(ddp))
 
 
+def eval_events(directory: Path) -> list[dict[str, Any]]:
+    lines = (directory / "run" / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["event"] == "eval"]
+
+
+def test_an_evaluation_scores_the_same_windows_with_one_and_two_ranks(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"line {i}: the quick brown fox {i * 7 % 13}\n" for i in range(600)))
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    for directory in (single, ddp):
+        directory.mkdir()
+    # 3 micro-batches of 4 windows: 12, split 6 and 6 between two ranks (4 + 2 each).
+    options = {
+        "data": {"text_path": str(corpus)},
+        "eval": {"holdout_fraction": 0.2, "batches": 3, "micro_batch_size": 4, "every": 4},
+    }
+    run(
+        write_config(single, **{**options, "data": {**options["data"], "micro_batch_size": 8}}),
+        None,
+        environment(single),
+    )
+    run(write_config(ddp, **options), 2, environment(ddp))
+    one, two = eval_events(single), eval_events(ddp)
+    assert [e["step"] for e in one] == [e["step"] for e in two] == [4, 8]
+    for a, b in zip(one, two):
+        assert a["tokens"] == b["tokens"] == 12 * 16
+        assert a["windows"] == b["windows"] == 12 and a["of_windows"] == b["of_windows"]
+        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a, b)
+
+
 def test_accumulation_all_reduces_once_per_optimizer_step(tmp_path: Path) -> None:
     config = write_config(
         tmp_path, data={"micro_batch_size": 2, "target_batch_size": 16}, run={"max_steps": 3}

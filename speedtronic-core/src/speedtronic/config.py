@@ -440,7 +440,13 @@ class EvalConfig(Section):
     """The ``eval`` section: held-out evaluation during training and at its end."""
 
     every: int = option(0, ge=0, help="Evaluate every N optimizer steps; 0 = never during.")
-    batches: int = option(8, ge=1, le=100_000, help="Micro-batches per evaluation.")
+    batches: int | Literal["all"] = option(
+        8,
+        ge=1,
+        le=100_000,
+        help="Micro-batches per evaluation, their windows spread evenly over the held-out "
+        "split (the same ones every time); `all` scores every window once.",
+    )
     at_end: bool | None = option(
         None, help="Evaluate once after the last step; default: true when eval is configured."
     )

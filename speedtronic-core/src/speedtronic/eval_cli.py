@@ -1,7 +1,9 @@
 """``speedtronic eval``: score a saved checkpoint (or a DiLoCo global) on the config's eval data.
 
-The held-out samples are exactly the ones training evaluates (see :mod:`speedtronic.eval`), so
-the number printed here matches the run's ``eval`` events for the same weights.
+By default it scores every window of the held-out split once (``--batches all``; an endless
+stream such as the synthetic data takes the config's ``eval.batches``). ``--batches N`` picks
+the same spread windows training evaluates with ``eval.batches: N`` (see :mod:`speedtronic.eval`),
+so the number printed then matches the run's ``eval`` events for the same weights.
 """
 
 from __future__ import annotations
@@ -36,7 +38,13 @@ def add_eval_command(subparsers: Any) -> None:
         action="store_true",
         help="score the shared store's current global weights (needs speedtronic-diloco)",
     )
-    command.add_argument("--batches", type=int, help="override eval.batches")
+    command.add_argument(
+        "--batches",
+        type=_batches,
+        metavar="N|all",
+        help="micro-batches to score, spread over the held-out split (default all: every "
+        "window once)",
+    )
     command.add_argument(
         "--format", choices=("table", "json"), default="table", help="output format"
     )
@@ -44,11 +52,21 @@ def add_eval_command(subparsers: Any) -> None:
     command.set_defaults(handler=cmd_eval)
 
 
+def _batches(text: str) -> int | str:
+    if text == "all":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'all', got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
-    """Load the weights, evaluate, print loss/ppl/tokens."""
+    """Load the weights, evaluate, print loss/ppl/tokens and how many windows were scored."""
     config = load_config(args)
-    if args.batches is not None:
-        config = config.with_overrides([f"eval.batches={args.batches}"])
 
     from speedtronic.eval import Evaluator, build_eval_source
     from speedtronic.inference import read_checkpoint
@@ -81,9 +99,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     model.to(device)
     from speedtronic.batch import label_mode
 
+    held_out = build_eval_source(config, **model_limits(model, config.model.params))
+    batches = args.batches
+    if batches is None:
+        windows = getattr(held_out, "windows", None)
+        finite = windows.count is not None if windows is not None else held_out.epoch_batches
+        batches = "all" if finite else config.eval.batches
     evaluator = Evaluator(
-        build_eval_source(config, **model_limits(model, config.model.params)),
-        config.eval.batches,
+        held_out,
+        batches,
         device=device,
         precision=resolve_precision(config.precision.mode, device),
         label_mode=label_mode(config.data.labels, model),
@@ -96,6 +120,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         "ppl": result.ppl,
         "tokens": result.tokens,
         "batches": result.batches,
+        "windows": result.windows,
+        "of_windows": result.of_windows,
         "elapsed_s": result.elapsed_s,
     }
     if args.format == "json":
@@ -111,7 +137,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     table = Table(title="speedtronic eval", show_header=False)
-    for key, value in record.items():
+    shown = dict(record)
+    of = shown.pop("of_windows")
+    shown["windows"] = f"{result.windows} of {of}" if of is not None else str(result.windows)
+    for key, value in shown.items():
         table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
     Console().print(table)
     return 0

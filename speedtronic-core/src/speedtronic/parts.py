@@ -118,7 +118,7 @@ def build_parts(
             label_mode=labels,
             parallel=parallel,
         )
-        log.info("eval: %d micro-batches of %s", config.eval.batches, evaluator.description)
+        log.info("eval: %s", evaluator.describe())
     ddp = None
     if parallel.enabled:
         if ooo is not None:

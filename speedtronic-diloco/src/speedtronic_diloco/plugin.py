@@ -315,22 +315,15 @@ def global_evaluator(trainer: Any, section: DistributedConfig) -> Any:
 
     import torch
 
-    from speedtronic.batch import call_model, labels_as_inputs, loss_of, move_to
+    from speedtronic.batch import batch_size_and_tokens, call_model, loss_of, move_to
     from speedtronic.checkpoint import rng_state, set_rng_state
     from speedtronic_diloco.tensors import install_state
 
     cpu = torch.device("cpu")
     saved = rng_state()
     try:
-        iterator = evaluator.source.iterate(0)  # the run's held-out DataSource, from its start
-        batches = []
-        for _ in range(evaluator.batches):
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                break
-            batch = labels_as_inputs(batch) if evaluator.label_mode == "inputs" else batch
-            batches.append(move_to(batch, cpu))
+        # The windows the run's evaluation scores, those of every rank of a DDP group.
+        batches = [move_to(b, cpu) for b in evaluator.held_out_batches(every_rank=True)]
         model = copy.deepcopy(trainer.model).to(cpu).eval()
     except Exception as exc:  # evaluation is an extra: a failure leaves training alone
         log.warning("not evaluating globals: %s: %s", type(exc).__name__, exc)
@@ -345,8 +338,11 @@ def global_evaluator(trainer: Any, section: DistributedConfig) -> Any:
         with lock, torch.no_grad():
             install_state(model, weights)
             total = 0.0
+            tokens = 0
             for batch in batches:
-                total += float(loss_of(call_model(model, batch)).double())
-            return total / len(batches)
+                count = batch_size_and_tokens(batch)[1]
+                total += float(loss_of(call_model(model, batch)).double()) * count
+                tokens += count
+            return total / tokens  # per token, as the run's evaluation weighs it
 
     return evaluate

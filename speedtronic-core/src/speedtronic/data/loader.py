@@ -10,8 +10,8 @@ from torch.utils.data import Dataset, IterableDataset
 
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.data.shards import shard_source
-from speedtronic.data.source import DataSource, nonempty, skip_samples, stream_batches
-from speedtronic.data.streams import Batch, check_rank
+from speedtronic.data.source import DataSource, Windows, nonempty, skip_samples, stream_batches
+from speedtronic.data.streams import Batch, check_rank, split_windows
 from speedtronic.data.synthetic import SyntheticTokenStream
 from speedtronic.data.text import (
     BYTE_VOCAB,
@@ -150,6 +150,7 @@ def build_dataloader(
     vocab = _within("vocab_size", data.vocab_size, vocab_size, "vocab_size")
     if vocab is None:
         raise DataError(MISSING_VOCAB)
+    reader = SyntheticTokenStream(vocab, seq_len, micro, stream_seed)
     return DataSource(
         lambda start: stream_batches(
             config,
@@ -159,6 +160,7 @@ def build_dataloader(
         ),
         description=f"synthetic (vocab {vocab}, seq {seq_len}, seed {stream_seed})",
         split=split,
+        windows=Windows(lambda indices: split_windows(reader.windows_at(indices)), micro),
     )
 
 
@@ -280,7 +282,8 @@ def _byte_text_source(
         "held_out": held_out,
         "order_seed": order_seed,
     }
-    blocks = ByteTextStream(path, seq_len, micro, **options).num_blocks
+    reader = ByteTextStream(path, seq_len, micro, **options)
+    blocks = reader.num_blocks
 
     def iterate(start: int) -> Iterator[Batch]:
         return stream_batches(config, ByteTextStream(path, seq_len, micro, start, **options))
@@ -291,7 +294,8 @@ def _byte_text_source(
         held = f", last {holdout:.0%} held out for eval" if holdout else ""
         description = f"text {path} (bytes, seq {seq_len}{held})"
     epoch = max(1, blocks // (micro * num_ranks))
-    return DataSource(iterate, description=description, epoch_batches=epoch)
+    windows = Windows(lambda indices: split_windows(reader.windows_at(indices)), micro, blocks)
+    return DataSource(iterate, description=description, epoch_batches=epoch, windows=windows)
 
 
 MISSING_SEQ_LEN = (

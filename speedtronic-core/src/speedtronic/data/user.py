@@ -7,11 +7,18 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
-from torch.utils.data import Dataset, IterableDataset, Sampler
+from torch.utils.data import Dataset, IterableDataset, Sampler, default_collate
 
 from speedtronic.config import SpeedtronicConfig
-from speedtronic.data.source import DataSource, make_loader, repeat_epochs, skip_samples
+from speedtronic.data.source import (
+    DataSource,
+    Windows,
+    make_loader,
+    repeat_epochs,
+    skip_samples,
+)
 from speedtronic.data.streams import _MASK64
 from speedtronic.errors import DataError
 
@@ -105,7 +112,14 @@ def user_source(
         return iter(loader)
 
     split = f", rank {rank} of {num_ranks}" if num_ranks > 1 else ""
-    return DataSource(iterate_map, description=f"{name} ({length} samples{split})")
+    windows = None
+    if batch_size is not None:  # items are samples: a micro-batch is their collation
+
+        def read(indices: np.ndarray) -> Any:
+            return default_collate([dataset[int(index)] for index in indices])
+
+        windows = Windows(read, micro, length)
+    return DataSource(iterate_map, description=f"{name} ({length} samples{split})", windows=windows)
 
 
 class _OrderSampler(Sampler[int]):
