@@ -19,6 +19,7 @@ from typing import Any
 from speedtronic import __version__
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.errors import PluginError, SpeedtronicError
+from speedtronic.threads import AUTO, auto_threads, prepare_threads
 
 __all__ = [
     "EXIT_USER_ERROR",
@@ -50,7 +51,10 @@ def load_config(args: argparse.Namespace) -> SpeedtronicConfig:
         overrides.append(f"run.output_dir={json.dumps(args.output_dir)}")
     if getattr(args, "resume", False):
         overrides.append("checkpoint.resume=true")
-    return config.with_overrides(overrides) if overrides else config
+    config = config.with_overrides(overrides) if overrides else config
+    # The OpenMP runtime reads its settings once, when torch loads it: set them now.
+    prepare_threads(config.run.threads)
+    return config
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -76,6 +80,10 @@ def _launch_ranks(nproc: int, config: SpeedtronicConfig, argv: Sequence[str]) ->
         raise SpeedtronicError(f"--nproc-per-node must be >= 1, got {nproc}")
     if config.parallel.strategy == "none":
         raise SpeedtronicError("--nproc-per-node needs parallel.strategy auto or ddp, not none")
+    if config.run.threads == AUTO and "OMP_NUM_THREADS" not in os.environ:
+        # torchrun would give every rank one thread; auto shares the cores between the ranks.
+        ranks = {**os.environ, "LOCAL_WORLD_SIZE": str(nproc)}
+        os.environ["OMP_NUM_THREADS"] = str(auto_threads(ranks))
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
@@ -105,7 +113,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     config = load_config(args)
     if not args.config_only:
         from speedtronic.runtime import check_runtime
+        from speedtronic.threads import apply_threads
 
+        apply_threads(config.run.threads)
         log.info("checked: %s", check_runtime(config))
     if args.format == "json":
         print(config.to_json(redact=True))

@@ -63,13 +63,16 @@ class RunConfig(Section):
         100, ge=1, help="Global optimizer-step target; a resumed run continues up to it."
     )
     output_dir: str = option("runs/speedtronic", help="Directory for checkpoints and logs.")
-    threads: int | None = option(
-        None,
+    threads: int | Literal["auto"] | None = option(
+        "auto",
         ge=1,
         le=4096,
-        help="CPU threads for torch's intra-op work in this process (`torch.set_num_threads`); "
-        "unset keeps torch's default (all cores, or $OMP_NUM_THREADS). Set 1 when several "
-        "training processes share one machine's cores.",
+        help="CPU threads for torch's intra-op work in this process (`torch.set_num_threads`). "
+        "`auto`: $OMP_NUM_THREADS when set, else the cores this process may use divided by "
+        "the processes of this run on the machine ($LOCAL_WORLD_SIZE under torchrun, or "
+        "$SPEEDTRONIC_LOCAL_PROCESSES), at most the physical cores; the CLI also sets "
+        "OMP_WAIT_POLICY=PASSIVE for it. `null` keeps torch's default (all cores). Every "
+        "command (train, eval, export, generate, validate) honours it.",
     )
 
 

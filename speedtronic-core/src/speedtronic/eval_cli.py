@@ -56,8 +56,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from speedtronic.plugins import get_plugin_manager
     from speedtronic.precision import resolve_device, resolve_precision
     from speedtronic.registry import build_model_from_hook
+    from speedtronic.threads import apply_threads
     from speedtronic.trainer import state_mismatch
 
+    apply_threads(config.run.threads)
     model = build_model_from_hook(config.model.name, **config.model.params)
     if args.use_global:
         weights = get_plugin_manager().hook.load_global_state(config=config, model=model)
