@@ -60,6 +60,9 @@ def load_config(args: argparse.Namespace) -> SpeedtronicConfig:
 def cmd_train(args: argparse.Namespace) -> int:
     """``speedtronic train``: validate, build and run; print a one-line summary."""
     config = load_config(args)  # before importing torch: a config error should be instant
+    from speedtronic.preflight import check_before_building
+
+    check_before_building(config)  # so are errors the config and its files decide alone
     if getattr(args, "nproc_per_node", None) and "WORLD_SIZE" not in os.environ:
         return _launch_ranks(args.nproc_per_node, config, args.argv)
     from speedtronic.runtime import train_from_config

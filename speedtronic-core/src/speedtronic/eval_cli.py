@@ -49,6 +49,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     config = load_config(args)
     if args.batches is not None:
         config = config.with_overrides([f"eval.batches={args.batches}"])
+    from speedtronic.preflight import check_before_building
+
+    check_before_building(config, training=False)  # before torch and the model
 
     from speedtronic.eval import Evaluator, build_eval_source
     from speedtronic.inference import read_checkpoint
@@ -60,8 +63,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from speedtronic.trainer import state_mismatch
 
     apply_threads(config.run.threads)
-    model = build_model_from_hook(config.model.name, **config.model.params)
     if args.use_global:
+        model = build_model_from_hook(config.model.name, **config.model.params)
         weights = get_plugin_manager().hook.load_global_state(config=config, model=model)
         if weights is None:
             raise PluginError(
@@ -72,9 +75,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     else:
         # As export and generate read it: latest, best, a step_NNNNNNNN directory or a
         # directory holding them, with the trainer state checked.
-        loaded = read_checkpoint(config, args.checkpoint)
+        loaded = read_checkpoint(config, args.checkpoint)  # a missing one fails before the model
         weights = loaded.state.get("model")
         source = str(loaded.path)
+        model = build_model_from_hook(config.model.name, **config.model.params)
     mismatch = state_mismatch(model.state_dict(), weights)
     if mismatch:
         raise CheckpointError(f"{source} does not fit this model ({mismatch})")

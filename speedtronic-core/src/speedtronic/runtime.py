@@ -25,6 +25,7 @@ from speedtronic.metrics import ConsoleSink, JsonlSink, MetricLogger, TextFileSi
 from speedtronic.parallel import SINGLE_PROCESS, init_parallel
 from speedtronic.parts import build_parts, model_limits
 from speedtronic.plugins import get_plugin_manager
+from speedtronic.preflight import check_before_building
 from speedtronic.registry import build_model_from_hook, import_factory
 from speedtronic.shape_advice import warn_shape_advice
 from speedtronic.threads import apply_threads
@@ -157,13 +158,15 @@ def build_runtime(
     """
     config = SpeedtronicConfig.load(config)
     logging.getLogger("speedtronic").setLevel(config.logging.level)
-    threads = apply_threads(config.run.threads)  # a process setting: before any work
+    check_before_building(
+        config, own_data=dataset is not None, own_eval_data=eval_dataset is not None
+    )
+    apply_threads(config.run.threads)  # a process setting: before any work
     pm = get_plugin_manager()
     parallel = init_parallel(config.parallel, config.run.device)
     if not parallel.is_main:  # rank 0 speaks for the run; the others only warn
         level = max(logging.WARNING, logging.getLevelName(config.logging.level))
         logging.getLogger("speedtronic").setLevel(level)
-    log.info("threads: %d (run.threads: %s)", threads, config.run.threads)
     seed_everything(config.run.seed)
     # Tile-size advice is for CUDA: where the model will not run on one, it stays quiet.
     on_gpu = config.run.device in ("auto", "cuda") and torch.cuda.is_available()

@@ -156,10 +156,13 @@ def prepare_threads(setting: Any) -> int | None:
 
 def apply_threads(setting: Any) -> int:
     """Set torch's intra-op threads for ``run.threads`` (``auto``, a number, or ``None`` for
-    torch's default) and return the number torch now uses."""
+    torch's default), log the number (``threads: N``) and return it."""
     import torch
 
     count = resolve_threads(setting)
     if count is not None and torch.get_num_threads() != count:
         torch.set_num_threads(count)
-    return torch.get_num_threads()
+    threads = torch.get_num_threads()
+    shown = "null" if setting is None else setting
+    log.info("threads: %d (run.threads: %s)", threads, shown)
+    return threads

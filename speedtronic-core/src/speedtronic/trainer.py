@@ -31,6 +31,7 @@ from speedtronic.batch import (
 )
 from speedtronic.checkpoint import CheckpointManager, checkpoint_name, rng_state, set_rng_state
 from speedtronic.checkpoint.fileio import probe_writable
+from speedtronic.checkpoint.names import overwrite_refusal
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.data import DataSource, repeat_epochs
 from speedtronic.errors import CheckpointError, DataError, SpeedtronicError
@@ -427,12 +428,7 @@ class Trainer:
             return  # nothing to write, or this trainer continuing its own run in memory
         existing = self.checkpoints.candidates()
         if existing:
-            raise CheckpointError(
-                f"{self.checkpoints.directory} already holds checkpoints (up to "
-                f"{existing[0].name}) from an earlier run; pass --resume "
-                "(checkpoint.resume: true) to continue it, or choose another --output-dir "
-                "(run.output_dir) for a new run, or delete that directory to start over"
-            )
+            raise CheckpointError(overwrite_refusal(self.checkpoints.directory, existing[0]))
 
     # ------------------------------------------------------------------ loop
     def _batches(self) -> Iterator[Any]:

@@ -40,6 +40,7 @@ from speedtronic.data.format import (
     FORMAT_VERSION,
     INDEX_NAME,
     MAX_INDEX_BYTES,
+    NO_EVAL_SPLIT_HINT,
     SHARD_FILE,
     SPLITS,
 )
@@ -521,13 +522,7 @@ def shard_source(
         )
     shards = check_shards(index, split, verify=verify, where=where)
     if not shards:
-        hint = (
-            " (prepare it with --eval-fraction F; for a corpus of few documents, such as one "
-            "text file, add --eval-split tail to hold out the end of the token stream, or "
-            "--blank-line-documents to make each blank-line-separated block a document)"
-            if split == "eval"
-            else ""
-        )
+        hint = f" ({NO_EVAL_SPLIT_HINT})" if split == "eval" else ""
         raise DataError(f"{where}: {index.directory} has no {split} split{hint}")
     shuffle = split == "train" if shuffle is None else shuffle
 
