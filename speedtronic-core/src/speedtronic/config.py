@@ -8,7 +8,6 @@ section that an uninstalled first-party distribution would provide says what to 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import os
 from collections.abc import Mapping
@@ -27,6 +26,7 @@ from speedtronic.schema import (
     coerce,
     option,
     section_to_dict,
+    suggest_key,
     unknown_key_error,
 )
 
@@ -532,7 +532,7 @@ class SpeedtronicConfig:
         for key in data:
             if key not in known:
                 hint = _provider_hint(str(key))
-                if not hint and not difflib.get_close_matches(str(key), known, n=1, cutoff=0.6):
+                if not hint and not suggest_key(str(key), known):
                     sections = ["model", *CORE_SECTIONS, *extra, "gradient_checkpointing"]
                     hint = f"; the top-level keys are {', '.join(sections)}"
                     absent = [f"{s} ({d})" for s, d in _provided_sections() if s not in extra]
