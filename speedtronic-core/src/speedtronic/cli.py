@@ -67,13 +67,30 @@ def cmd_train(args: argparse.Namespace) -> int:
         return _launch_ranks(args.nproc_per_node, config, args.argv)
     from speedtronic.runtime import train_from_config
 
-    result = train_from_config(config)
+    try:
+        result = train_from_config(config)
+    except KeyboardInterrupt:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"interrupted; {_resume_advice(config)}", file=sys.stderr)
+        return 130
     loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "n/a"
     resumed = f" (resumed from step {result.resumed_from})" if result.resumed_from else ""
     steps = f"{result.steps} step{'' if result.steps == 1 else 's'}"
     if os.environ.get("RANK", "0") == "0":  # under DDP, rank 0 reports for the run
         print(f"done: {steps}{resumed}, final loss {loss}, {result.elapsed_s:.1f}s")
     return 0
+
+
+def _resume_advice(config: SpeedtronicConfig) -> str:
+    """Where an interrupted run can continue from, as the line after ``interrupted``."""
+    from speedtronic.checkpoint.names import existing_checkpoints
+
+    saved = existing_checkpoints(config.checkpoint_dir)
+    if not saved:
+        return f"no checkpoint was saved in {config.checkpoint_dir}: a new run starts from step 0"
+    return (
+        f"the newest checkpoint is {saved[0]}: continue from it with the same command and --resume"
+    )
 
 
 def _launch_ranks(nproc: int, config: SpeedtronicConfig, argv: Sequence[str]) -> int:
