@@ -238,3 +238,40 @@ def test_install_hints_follow_the_checkout_the_user_is_in(
     monkeypatch.chdir(tmp_path / "docs")  # below the checkout's root: the absolute path
     hint = plugins.install_command("speedtronic-logging", "tensorboard")
     assert hint.startswith(f"pip install '{tmp_path}/speedtronic-logging[tensorboard]'")
+
+
+@pytest.mark.slow
+def test_ctrl_c_names_the_checkpoint_to_resume_from(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        json.dumps(
+            {
+                "run": {"device": "cpu", "max_steps": 100000, "output_dir": str(tmp_path)},
+                "model": {"name": "core.toy_runs:Bigram", "vocab_size": 16, "max_seq_len": 8},
+                "checkpoint": {"interval": 2, "keep_last": 1},
+                "logging": {"progress": False},
+            }
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), *sys.path])}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "speedtronic", "train", "--config", str(config)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    checkpoints = tmp_path / "checkpoints"
+    deadline = time.monotonic() + 600
+    while not (checkpoints / "latest.json").exists():  # a bounded poll, not a sleep
+        assert process.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=600)
+    assert process.returncode == 130
+    line = stderr.strip().splitlines()[-1]
+    assert line.startswith(f"interrupted; the newest checkpoint is {checkpoints}/step_"), line
+    assert line.endswith("continue from it with the same command and --resume")
