@@ -21,6 +21,7 @@ from speedtronic import __version__
 from speedtronic.cli_options import add_config_flag, add_set_option, load_config
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.errors import PluginError, SpeedtronicError
+from speedtronic.threads import AUTO, auto_threads
 
 __all__ = [
     "EXIT_USER_ERROR",
@@ -52,12 +53,22 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     die_with_launcher()  # a rank of `--nproc-per-node`: never outlive the launcher
     config = load_config(args)  # before importing torch: a config error should be instant
+    from speedtronic.preflight import check_before_building
+
+    check_before_building(config)  # so are errors the config and its files decide alone
     if getattr(args, "nproc_per_node", None) and "WORLD_SIZE" not in os.environ:
         return _launch_ranks(args.nproc_per_node, config, args.argv)
     from speedtronic.runtime import train_from_config
 
-    result = train_from_config(config)
-    if result.stop_signal is not None:
+    try:
+        result = train_from_config(config)
+    except KeyboardInterrupt:  # a second Ctrl-C, or SIGINT left out of run.stop_signals
+        if os.environ.get("RANK", "0") == "0":
+            print(f"interrupted; {_resume_advice(config)}", file=sys.stderr)
+        return 130
+    if result.stop_signal is not None:  # stopped cleanly, with a checkpoint at the last step
+        if os.environ.get("RANK", "0") == "0":
+            print(f"interrupted; {_resume_advice(config)}", file=sys.stderr)
         return 128 + result.stop_signal  # "did not finish": a scheduler may requeue the run
     loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "n/a"
     resumed = f" (resumed from step {result.resumed_from})" if result.resumed_from else ""
@@ -67,6 +78,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _resume_advice(config: SpeedtronicConfig) -> str:
+    """Where an interrupted run can continue from, as the line after ``interrupted``."""
+    from speedtronic.checkpoint.names import existing_checkpoints
+
+    saved = existing_checkpoints(config.checkpoint_dir)
+    if not saved:
+        return f"no checkpoint was saved in {config.checkpoint_dir}: a new run starts from step 0"
+    return (
+        f"the newest checkpoint is {saved[0]}: continue from it with the same command and --resume"
+    )
+
+
 def _launch_ranks(nproc: int, config: SpeedtronicConfig, argv: Sequence[str]) -> int:
     """Start ``nproc`` ranks of this same command through torch's elastic launcher (what
     ``torchrun --standalone --nproc-per-node N -m speedtronic train ...`` does)."""
@@ -74,6 +97,10 @@ def _launch_ranks(nproc: int, config: SpeedtronicConfig, argv: Sequence[str]) ->
         raise SpeedtronicError(f"--nproc-per-node must be >= 1, got {nproc}")
     if config.parallel.strategy == "none":
         raise SpeedtronicError("--nproc-per-node needs parallel.strategy auto or ddp, not none")
+    if config.run.threads == AUTO and "OMP_NUM_THREADS" not in os.environ:
+        # torchrun would give every rank one thread; auto shares the cores between the ranks.
+        ranks = {**os.environ, "LOCAL_WORLD_SIZE": str(nproc)}
+        os.environ["OMP_NUM_THREADS"] = str(auto_threads(ranks))
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
@@ -122,7 +149,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     config = load_config(args)
     if not args.config_only:
         from speedtronic.runtime import check_runtime
+        from speedtronic.threads import apply_threads
 
+        apply_threads(config.run.threads)
         log.info("checked: %s", check_runtime(config))
     if args.format == "json":
         print(config.to_json(redact=True))

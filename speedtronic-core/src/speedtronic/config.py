@@ -8,7 +8,6 @@ section that an uninstalled first-party distribution would provide says what to 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import os
 from collections.abc import Mapping
@@ -27,6 +26,7 @@ from speedtronic.schema import (
     coerce,
     option,
     section_to_dict,
+    suggest_key,
     unknown_key_error,
 )
 
@@ -71,13 +71,16 @@ class RunConfig(Section):
         "infinite loss (counted on the device, read every half of that many steps); null: "
         "never stop for it.",
     )
-    threads: int | None = option(
-        None,
+    threads: int | Literal["auto"] | None = option(
+        "auto",
         ge=1,
         le=4096,
-        help="CPU threads for torch's intra-op work in this process (`torch.set_num_threads`); "
-        "unset keeps torch's default (all cores, or $OMP_NUM_THREADS). Set 1 when several "
-        "training processes share one machine's cores.",
+        help="CPU threads for torch's intra-op work in this process (`torch.set_num_threads`). "
+        "`auto`: $OMP_NUM_THREADS when set, else the cores this process may use divided by "
+        "the processes of this run on the machine ($LOCAL_WORLD_SIZE under torchrun, or "
+        "$SPEEDTRONIC_LOCAL_PROCESSES), at most the physical cores. For `auto` or a number the CLI "
+        "also sets OMP_WAIT_POLICY=PASSIVE; `null` keeps torch's defaults (all cores). Every "
+        "command (train, eval, export, generate, validate) honours it.",
     )
     peak_tflops: float | None = option(
         None,
@@ -632,7 +635,7 @@ class SpeedtronicConfig:
         for key in data:
             if key not in known:
                 hint = _provider_hint(str(key))
-                if not hint and not difflib.get_close_matches(str(key), known, n=1, cutoff=0.6):
+                if not hint and not suggest_key(str(key), known):
                     sections = ["model", *CORE_SECTIONS, *extra, "gradient_checkpointing"]
                     hint = f"; the top-level keys are {', '.join(sections)}"
                     absent = [f"{s} ({d})" for s, d in _provided_sections() if s not in extra]

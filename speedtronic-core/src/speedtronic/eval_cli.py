@@ -67,6 +67,9 @@ def _batches(text: str) -> int | str:
 def cmd_eval(args: argparse.Namespace) -> int:
     """Load the weights, evaluate, print loss/ppl/tokens and how many windows were scored."""
     config = load_config(args)
+    from speedtronic.preflight import check_before_building
+
+    check_before_building(config, training=False)  # before torch and the model
 
     from speedtronic.eval import Evaluator, build_eval_source
     from speedtronic.inference import read_checkpoint
@@ -74,10 +77,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from speedtronic.plugins import get_plugin_manager
     from speedtronic.precision import resolve_device, resolve_precision
     from speedtronic.registry import build_model_from_hook
+    from speedtronic.threads import apply_threads
     from speedtronic.trainer import state_mismatch
 
-    model = build_model_from_hook(config.model.name, **config.model.params)
+    apply_threads(config.run.threads)
     if args.use_global:
+        model = build_model_from_hook(config.model.name, **config.model.params)
         weights = get_plugin_manager().hook.load_global_state(config=config, model=model)
         if weights is None:
             raise PluginError(
@@ -88,9 +93,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     else:
         # As export and generate read it: latest, best, a step_NNNNNNNN directory or a
         # directory holding them, with the trainer state checked.
-        loaded = read_checkpoint(config, args.checkpoint)
+        loaded = read_checkpoint(config, args.checkpoint)  # a missing one fails before the model
         weights = loaded.state.get("model")
         source = str(loaded.path)
+        model = build_model_from_hook(config.model.name, **config.model.params)
     mismatch = state_mismatch(model.state_dict(), weights)
     if mismatch:
         raise CheckpointError(f"{source} does not fit this model ({mismatch})")

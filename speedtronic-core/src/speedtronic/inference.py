@@ -92,9 +92,9 @@ def load_trained_model(
     from speedtronic.plugins import get_plugin_manager
     from speedtronic.registry import build_model_from_hook
 
-    model = build_model_from_hook(config.model.name, **config.model.params)
     step: int | None = None
     if use_global:
+        model = build_model_from_hook(config.model.name, **config.model.params)
         state = get_plugin_manager().hook.load_global_state(config=config, model=model)
         if state is None:
             raise PluginError(
@@ -104,8 +104,9 @@ def load_trained_model(
             )
         source = "the global weights"
     else:
-        loaded = read_checkpoint(config, checkpoint)
+        loaded = read_checkpoint(config, checkpoint)  # a missing one fails before the model
         state, source, step = loaded.state["model"], f"checkpoint {loaded.path}", loaded.step
+        model = build_model_from_hook(config.model.name, **config.model.params)
     from speedtronic.trainer import state_mismatch
 
     mismatch = state_mismatch(model.state_dict(), state)

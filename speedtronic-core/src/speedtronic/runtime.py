@@ -25,8 +25,10 @@ from speedtronic.metrics import ConsoleSink, JsonlSink, MetricLogger, TextFileSi
 from speedtronic.parallel import SINGLE_PROCESS, init_parallel
 from speedtronic.parts import build_parts, model_limits
 from speedtronic.plugins import get_plugin_manager
+from speedtronic.preflight import check_before_building
 from speedtronic.registry import build_model_from_hook, import_factory
 from speedtronic.shape_advice import warn_shape_advice
+from speedtronic.threads import apply_threads
 from speedtronic.trainer import Trainer, TrainResult
 
 __all__ = [
@@ -157,19 +159,24 @@ def build_runtime(
     """
     config = SpeedtronicConfig.load(config)
     logging.getLogger("speedtronic").setLevel(config.logging.level)
-    if config.run.threads is not None:
-        torch.set_num_threads(config.run.threads)  # a process setting: before any work
+    check_before_building(
+        config, own_data=dataset is not None, own_eval_data=eval_dataset is not None
+    )
+    apply_threads(config.run.threads)  # a process setting: before any work
     pm = get_plugin_manager()
     parallel = init_parallel(config.parallel, config.run.device)
     if not parallel.is_main:  # rank 0 speaks for the run; the others only warn
         level = max(logging.WARNING, logging.getLevelName(config.logging.level))
         logging.getLogger("speedtronic").setLevel(level)
     seed_everything(config.run.seed)
+    # Tile-size advice is for CUDA: where the model will not run on one, it stays quiet.
+    on_gpu = config.run.device in ("auto", "cuda") and torch.cuda.is_available()
+    device = parallel.device or ("cuda" if on_gpu else config.run.device.replace("auto", "cpu"))
     if model is None:
         model = build_model_from_hook(config.model.name, **config.model.params)
-        warn_shape_advice(model, config.model.params)
+        warn_shape_advice(model, config.model.params, device)
     else:
-        warn_shape_advice(model)
+        warn_shape_advice(model, device=device)
     seed = config.data_seed
     adjusted = pm.hook.data_seed(config=config, seed=seed)
     rank, num_ranks = data_rank(config, parallel)

@@ -541,6 +541,7 @@ class Trainer:
                     "start_step": self.step,
                     "max_steps": max_steps,
                     "device": self.device.type,
+                    "threads": torch.get_num_threads(),
                     "precision": self.precision.mode,
                     "accumulation_steps": self.accumulation_steps,
                     "compiled": self.compiled.active,

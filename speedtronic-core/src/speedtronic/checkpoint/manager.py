@@ -26,7 +26,6 @@ import errno
 import json
 import logging
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -46,6 +45,12 @@ from speedtronic.checkpoint.fileio import (
     probe_writable,
     read_regular,
     sha256_chunks,
+)
+from speedtronic.checkpoint.names import (
+    checkpoint_name,
+    existing_checkpoints,
+    overwrite_refusal,
+    step_of,
 )
 from speedtronic.checkpoint.policy import BackgroundWrite, SavedCheckpoint, SavePolicy
 from speedtronic.checkpoint.runlock import RunLock
@@ -76,7 +81,6 @@ TENSORS = "tensors.safetensors"
 STATE = "state.json"
 MANIFEST = "manifest.json"
 # 8 to 18 digits: every step an int64 holds, and never a number too long to convert.
-NAME_PATTERN = re.compile(r"^step_(\d{8,18})$")
 # Files are hashed in slices of this size, in parallel, so big checkpoints verify quickly.
 HASH_CHUNK_BYTES = 32 << 20
 # A pointer is one short JSON line; anything larger is not one.
@@ -97,19 +101,6 @@ _MANIFEST_PROBLEMS = (
 # Anything in the directory starting with this is ours and unreferenced: staging directories
 # of interrupted saves, parked copies of a re-saved step, checkpoints being deleted.
 _HIDDEN_PREFIX = ".step_"
-
-
-def checkpoint_name(step: int) -> str:
-    """The directory name of the checkpoint taken after optimizer step ``step``."""
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
-    return f"step_{step:08d}"
-
-
-def step_of(name: str) -> int | None:
-    """The step encoded in a checkpoint directory name, or None for any other name."""
-    match = NAME_PATTERN.match(name)
-    return int(match.group(1)) if match else None
 
 
 @dataclass(frozen=True)
@@ -179,12 +170,7 @@ class CheckpointManager:
                 return
             existing = self.candidates()
             if existing:
-                raise CheckpointError(
-                    f"{self.directory} already holds checkpoints (up to "
-                    f"{existing[0].name}) from an earlier run; pass --resume "
-                    "(checkpoint.resume: true) to continue it, or choose another --output-dir "
-                    "(run.output_dir) for a new run, or delete that directory to start over"
-                )
+                raise CheckpointError(overwrite_refusal(self.directory, existing[0]))
 
         self._on_main(check)
 
@@ -476,14 +462,7 @@ class CheckpointManager:
     # ------------------------------------------------------------------ reading
     def candidates(self) -> list[Path]:
         """Checkpoint directories by name, newest first, complete or not (no symlinks)."""
-        if not self.directory.is_dir():
-            return []
-        dirs = [
-            p
-            for p in self.directory.iterdir()
-            if step_of(p.name) is not None and p.is_dir() and not p.is_symlink()
-        ]
-        return sorted(dirs, key=lambda p: step_of(p.name) or 0, reverse=True)
+        return existing_checkpoints(self.directory)
 
     def mark_best(self, step: int, eval_loss: float) -> None:
         """Point ``best.json`` at the (already written) checkpoint of ``step``."""

@@ -40,6 +40,7 @@ from speedtronic.data.format import (
     FORMAT_VERSION,
     INDEX_NAME,
     MAX_INDEX_BYTES,
+    NO_EVAL_SPLIT_HINT,
     SHARD_FILE,
     SPLITS,
 )
@@ -522,7 +523,7 @@ def shard_source(
         )
     shards = check_shards(index, split, verify=verify, where=where)
     if not shards:
-        hint = " (prepare it with --eval-fraction above 0)" if split == "eval" else ""
+        hint = f" ({NO_EVAL_SPLIT_HINT})" if split == "eval" else ""
         raise DataError(f"{where}: {index.directory} has no {split} split{hint}")
     shuffle = split == "train" if shuffle is None else shuffle
 
