@@ -77,8 +77,11 @@ class Evaluator:
         label_mode: str = "shifted",
         description: str = "",
         parallel: ParallelContext = SINGLE_PROCESS,
+        lockstep: bool = False,
     ) -> None:
         self.parallel = parallel
+        # A sharded (FSDP) forward is a collective: every rank must score as many batches.
+        self.lockstep = lockstep
         self.source = source
         self.batches = batches
         self.device = device
@@ -123,6 +126,8 @@ class Evaluator:
         model.eval()
         try:
             batches = self._held_out()
+            if self.lockstep:
+                batches = batches[: min(self.parallel.gather(len(batches)))]
             total = torch.zeros((), device=self.device, dtype=torch.float64)
             tokens = 0
             with torch.no_grad():

@@ -3,7 +3,8 @@
 :func:`build_parts` is the only place that decides the device, the precision and its
 GradScaler, the optimizer (configured, or the caller's, wrapped in cautious masking when
 ``optimizer.cautious`` asks), the schedule, the checkpoint manager, the metric logger, the
-plugin manager, gradient checkpointing, out-of-order backprop and ``torch.compile``.
+plugin manager, gradient checkpointing, out-of-order backprop, ``torch.compile`` and the data
+parallel wrapping (DDP, or FSDP2 sharding with ``parallel.strategy: fsdp``).
 :func:`speedtronic.runtime.build_runtime` calls it with the configured model and data;
 ``Trainer(model, config, ...)`` calls it with whatever a Python user passed, so both ways build
 a run the same way.
@@ -63,6 +64,9 @@ class TrainingParts:
     """This process's rank and world size (data parallel), single-process by default."""
     ddp: Any = None
     """The DistributedDataParallel wrapper the forward runs through under DDP, else None."""
+    fsdp: Any = None
+    """The :class:`~speedtronic.fsdp.ShardedRun` when ``parallel.strategy: fsdp`` shards the
+    model over several ranks (``model`` is then the FSDP2 root module), else None."""
     accumulation_steps: int = 1
     """Micro-batches per optimizer step on this rank: the global ``data.target_batch_size``
     divided by ``micro_batch_size`` x world size."""
@@ -94,10 +98,31 @@ def build_parts(
     accumulation = accumulation_steps(config, parallel.world_size)
     model = model.to(device)
     precision = resolve_precision(config.precision.mode, device)
+    fsdp = None
+    if config.parallel.strategy == "fsdp" and parallel.enabled:
+        if optimizer is not None:
+            raise ConfigError(
+                "is fsdp: the optimizer must be built over the sharded parameters, so pass "
+                "none and let the optimizer section build it",
+                "parallel.strategy",
+            )
+        from speedtronic.fsdp import ShardedRun, shard_model
+
+        # Before the optimizer exists: it must hold the sharded (DTensor) parameters.
+        units = shard_model(
+            model,
+            config.parallel.fsdp,
+            device=device,
+            world_size=parallel.world_size,
+            compute_dtype=precision.dtype,
+            activation_checkpointing=config.gradient_checkpointing,
+        )
+        fsdp = ShardedRun(model, units)
     optimizer = build_optimizer(model, config.optimizer, device, optimizer)
     if scheduler is None:
         scheduler = build_scheduler(optimizer, config.scheduler, config.run.max_steps)
-    _set_gradient_checkpointing(model, config.gradient_checkpointing)
+    if fsdp is None:  # under FSDP activation checkpointing is applied per unit
+        _set_gradient_checkpointing(model, config.gradient_checkpointing)
     # The swap is an instance attribute on each nn.Linear: state_dict keys and module types stay.
     ooo = install_ooo_backprop(model, config.ooo_backprop, device)
     if ooo is not None:
@@ -117,10 +142,11 @@ def build_parts(
             precision=precision,
             label_mode=labels,
             parallel=parallel,
+            lockstep=fsdp is not None,
         )
         log.info("eval: %d micro-batches of %s", config.eval.batches, evaluator.description)
     ddp = None
-    if parallel.enabled:
+    if parallel.enabled and fsdp is None:
         if ooo is not None:
             raise ConfigError(
                 "cannot be combined with data parallel yet: DDP reduces gradients in autograd "
@@ -148,12 +174,17 @@ def build_parts(
         or CheckpointManager(config.checkpoint_dir, config.checkpoint.keep_last),
         metrics=metric_logger if metric_logger is not None else MetricLogger(),
         plugin_manager=plugin_manager if plugin_manager is not None else get_plugin_manager(),
-        compiled=CompiledModel(ddp if ddp is not None else model, config.compile),
+        compiled=CompiledModel(
+            ddp if ddp is not None else model,
+            config.compile,
+            units=fsdp.units if fsdp is not None else None,
+        ),
         label_mode=labels,
         ooo_backprop=ooo,
         evaluator=evaluator,
         parallel=parallel,
         ddp=ddp,
+        fsdp=fsdp,
         accumulation_steps=accumulation,
     )
 

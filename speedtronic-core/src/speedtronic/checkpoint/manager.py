@@ -8,6 +8,9 @@ Layout of a checkpoint directory::
         manifest.json         step, size and sha256 (per 32 MiB slice) of the two files above
     latest.json               {"checkpoint": "step_00000100", "step": 100, "format": 1}
 
+A run with ``parallel.strategy: fsdp`` writes sharded checkpoints instead, the same way (see
+:mod:`speedtronic.checkpoint.dcp`: a ``dcp/`` folder beside the two files, all in the manifest).
+
 A checkpoint is assembled in a hidden staging directory (``.step_00000100.<random>.tmp``),
 every file is fsynced, the staging directory is renamed into place and the parent directory
 fsynced; only then is ``latest.json`` atomically replaced, and only after that pointer is
@@ -69,6 +72,8 @@ BEST_POINTER = "best.json"
 TENSORS = "tensors.safetensors"
 STATE = "state.json"
 MANIFEST = "manifest.json"
+# The files of a sharded (DCP) checkpoint's dcp/ folder that a manifest may list.
+SHARD_FILE = re.compile(r"^dcp/(\.metadata|__\d{1,6}_\d{1,6}\.distcp)$")
 # 8 to 18 digits: every step an int64 holds, and never a number too long to convert.
 NAME_PATTERN = re.compile(r"^step_(\d{8,18})$")
 # Files are hashed in slices of this size, in parallel, so big checkpoints verify quickly.
@@ -113,6 +118,9 @@ class LoadedCheckpoint:
     path: Path
     step: int
     state: Any
+    shards: Path | None = None
+    """A sharded (DCP) checkpoint read without its weights: the ``dcp/`` directory that
+    :func:`speedtronic.checkpoint.dcp.load_sharded_weights` loads them from."""
 
 
 class CheckpointManager:
@@ -305,10 +313,13 @@ class CheckpointManager:
             raise CheckpointError(f"{path.name}: unreadable manifest ({exc})") from None
         if manifest_step != step:
             raise CheckpointError(f"{path.name}: manifest is for step {manifest_step}")
-        if set(expected_files) != {TENSORS, STATE}:
+        shard_files = set(expected_files) - {TENSORS, STATE}
+        if not {TENSORS, STATE} <= set(expected_files) or not _valid_shard_set(shard_files):
             raise CheckpointError(
-                f"{path.name}: manifest lists unexpected files {sorted(expected_files)}"
+                f"{path.name}: manifest lists unexpected files {sorted(expected_files)[:8]}"
             )
+        if shard_files and (path / "dcp").is_symlink():
+            raise CheckpointError(f"{path.name}/dcp is a symlink")
         for filename, (size, chunk_bytes, digests) in expected_files.items():
             file = path / filename
             if file.is_symlink() or not file.is_file():
@@ -323,16 +334,27 @@ class CheckpointManager:
                 raise CheckpointError(f"{path.name}/{filename} fails its sha256 check")
         return step
 
-    def read(self, path: Path, check: Callable[[Any], None] | None = None) -> LoadedCheckpoint:
+    def read(
+        self, path: Path, check: Callable[[Any], None] | None = None, *, weights: bool = True
+    ) -> LoadedCheckpoint:
         """Verify and decode one checkpoint directory (safetensors and JSON, never pickle).
 
         ``check(state)`` may raise :class:`CheckpointError` for a state that decodes but is not
-        what its reader needs (a tampered file with a consistent manifest)."""
+        what its reader needs (a tampered file with a consistent manifest). A sharded (DCP)
+        checkpoint is read whole onto the CPU; with ``weights=False`` its model and optimizer
+        tensors are left where they are and ``shards`` names them."""
         step = self.verify(path)
+        shards = None
         try:
-            tensors = load_file(str(path / TENSORS))
-            json_tree = json.loads((path / STATE).read_text(encoding="utf-8"))
-            state = statecodec.decode(json_tree, tensors)
+            from speedtronic.checkpoint import dcp
+
+            if dcp.is_sharded_checkpoint(path):
+                state = dcp.read_sharded_state(path, weights)
+                shards = None if weights else path / dcp.DCP_DIR
+            else:
+                tensors = load_file(str(path / TENSORS))
+                json_tree = json.loads((path / STATE).read_text(encoding="utf-8"))
+                state = statecodec.decode(json_tree, tensors)
         except Exception as exc:
             raise CheckpointError(
                 f"{path.name}: cannot decode ({type(exc).__name__}: {exc})"
@@ -342,7 +364,7 @@ class CheckpointManager:
                 check(state)
             except CheckpointError as exc:
                 raise CheckpointError(f"{path.name}: {exc}") from None
-        return LoadedCheckpoint(path=path, step=step, state=state)
+        return LoadedCheckpoint(path=path, step=step, state=state, shards=shards)
 
     def load(
         self, which: str = "latest", check: Callable[[Any], None] | None = None
@@ -377,13 +399,16 @@ class CheckpointManager:
         except CheckpointError as exc:
             raise CheckpointError(f"checkpoint {path.parent}/{exc}") from None
 
-    def load_latest(self, check: Callable[[Any], None] | None = None) -> LoadedCheckpoint | None:
+    def load_latest(
+        self, check: Callable[[Any], None] | None = None, *, weights: bool = True
+    ) -> LoadedCheckpoint | None:
         """The newest usable checkpoint, or None when the directory holds none at all.
 
         ``latest.json``'s target is tried first, then the checkpoints older than it, newest
         first (every checkpoint when there is no usable pointer); each one that is missing or
         fails verification is named in a warning. If checkpoints exist but none is usable,
         raises :class:`CheckpointError` rather than letting the caller start over silently.
+        ``weights`` as in :meth:`read`.
         """
         target = self.pointer_target()
         candidates = self.candidates()
@@ -397,7 +422,7 @@ class CheckpointManager:
         failures = []
         for path in order:
             try:
-                return self.read(path, check)
+                return self.read(path, check, weights=weights)
             except CheckpointError as exc:
                 log.warning("skipping unusable checkpoint %s: %s", path, exc)
                 failures.append(str(exc))
@@ -405,6 +430,13 @@ class CheckpointManager:
             f"no usable checkpoint in {self.directory} ({'; '.join(failures)}); "
             "set checkpoint.allow_fresh_start: true to start over"
         )
+
+
+def _valid_shard_set(names: set[str]) -> bool:
+    """A sharded checkpoint's manifest lists DCP's metadata and shard files, nothing else."""
+    if not names:
+        return True
+    return all(SHARD_FILE.match(n) for n in names) and "dcp/.metadata" in names
 
 
 def free_space(directory: Path) -> str:
