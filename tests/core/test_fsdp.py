@@ -209,3 +209,59 @@ def test_a_manifest_naming_files_outside_dcp_is_refused(tmp_path: Path) -> None:
 
     with pytest.raises(CheckpointError, match="unexpected files"):
         CheckpointManager(step4.parent).verify(step4)
+
+
+def test_validate_reports_state_per_rank_for_ddp_and_fsdp(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    path = tmp_path / "config.json"
+    model = {"name": "reference_transformer", **SMALL}
+    path.write_text(json.dumps({"model": model, "parallel": {"strategy": "fsdp"}}))
+    done = subprocess.run(
+        [sys.executable, "-m", "speedtronic", "validate", "-c", str(path), "--nproc-per-node", "4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    line = next(x for x in done.stderr.splitlines() if "state per rank on 4 ranks" in x)
+    assert "ddp " in line and "fsdp " in line and "optimizer" in line
+    bad = path.with_name("bad.json")
+    bad.write_text(json.dumps({"model": model, "parallel": {"fsdp": {"units": ["Nope"]}}}))
+    refused = subprocess.run(
+        [sys.executable, "-m", "speedtronic", "validate", "-c", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode != 0
+    assert "parallel.fsdp.units" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_a_pickle_payload_in_the_dcp_metadata_never_runs(tmp_path: Path) -> None:
+    import hashlib
+    import pickle
+
+    run = tiny_transformer_run(tmp_path, run={"max_steps": 4}, parallel={"strategy": "fsdp"})
+    train(run)
+    step4 = tmp_path / "checkpoints" / "step_00000004"
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return (Path.touch, (str(marker),))  # type: ignore[return-value]
+
+    planted = pickle.dumps(Payload())
+    (step4 / "dcp" / ".metadata").write_bytes(planted)
+    # A consistent manifest: only the unpickler stands between the payload and running it.
+    manifest = json.loads((step4 / "manifest.json").read_text())
+    manifest["files"]["dcp/.metadata"].update(
+        size=len(planted), sha256=[hashlib.sha256(planted).hexdigest()]
+    )
+    (step4 / "manifest.json").write_text(json.dumps(manifest))
+    from speedtronic.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="not DCP metadata"):
+        CheckpointManager(step4.parent).read(step4)
+    assert not marker.exists()

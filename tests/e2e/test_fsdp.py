@@ -241,7 +241,7 @@ def test_fsdp_checkpoint_resumes_on_one_process_ddp_and_two_fsdp_ranks(tmp_path:
     ddp = ("--set", "parallel.strategy=ddp")
     run(config, 2, env, "--resume", "--max-steps", "5", *ddp)  # DDP reads DCP, writes plain
     run(config, 2, env, "--resume")  # 2 FSDP ranks read DDP's checkpoint
-    assert_close(curve(chain), {s: v for s, v in curve(straight).items() if s > 4}, 5e-3)
+    assert_close(curve(chain), curve(straight), 5e-3)  # each leg's steps, 1 to 6
     lines = (chain / "run" / "metrics.jsonl").read_text().splitlines()
     resumed = [r["step"] for r in map(json.loads, lines) if r["event"] == "resumed"]
     assert resumed == [2, 4, 5]
