@@ -105,7 +105,10 @@ def write_config(directory: Path, **overrides: Any) -> Path:
         },
     }
     for section, values in overrides.items():
-        config.setdefault(section, {}).update(values)
+        if isinstance(values, dict):
+            config.setdefault(section, {}).update(values)
+        else:
+            config[section] = values
     path = directory / "config.json"
     path.write_text(json.dumps(config))
     return path
@@ -197,6 +200,25 @@ def test_two_fsdp_ranks_follow_one_process_with_and_without_accumulation(
     final = runs["fsdp"] / "run" / "checkpoints" / "step_00000006"
     manifest = json.loads((final / "manifest.json").read_text())
     assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp"} <= set(manifest["files"])
+
+
+def test_compile_and_activation_checkpointing_per_unit_keep_the_curve(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    config = write_config(
+        tmp_path,
+        eval={"every": 3, "batches": 2, "micro_batch_size": 4},
+        compile={"enabled": True, "backend": "eager"},
+        gradient_checkpointing=True,
+    )
+    done = subprocess.run(
+        command(config, 2), capture_output=True, text=True, timeout=WAIT, env=environment(tmp_path)
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "torch.compile failed" not in done.stderr  # no silent fall back to eager
+    (start,) = records(tmp_path, "train_start")
+    assert start["compiled"] is True
+    assert_close(curve(tmp_path), curve(runs["fsdp"]), 2e-3)
 
 
 def test_full_state_helpers_gather_and_install_on_every_rank(runs: dict[str, Path]) -> None:
