@@ -248,7 +248,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue this run exactly (plugins add theirs via hooks)."""
+        """Everything needed to continue this run exactly (plugins add theirs via hooks).
+        Under FSDP ``model`` and ``optimizer`` hold this rank's shards (DTensors); for the
+        whole model on the CPU use :func:`speedtronic.fsdp.full_model_state`."""
         plugins: dict[str, Any] = {}
         self.plugin_manager.hook.on_checkpoint(trainer=self, state=plugins)
         return {
