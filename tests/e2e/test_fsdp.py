@@ -71,6 +71,8 @@ def after_optimizer_step(trainer, step):
     load_full_model_state(trainer.model, {k: torch.full_like(v, 0.5) for k, v in full.items()})
     halves = full_model_state(trainer.model)
     ok = all(bool((v == 0.5).all()) for v in halves.values())
+    main_only = full_model_state(trainer.model, only_main=True)
+    ok = ok and (set(main_only) == set(full) if rank == 0 else main_only == {})
     load_full_model_state(trainer.model, full if rank == 0 else {}, from_main=True)
     (OUT / f"installed_rank{rank}.json").write_text(json.dumps({"ok": ok}))
 """

@@ -216,16 +216,21 @@ class ShardedRun:
         return norm
 
 
-def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's state dict on the CPU, on every rank: plain tensors, detached copies,
-    the same keys as the unsharded model's ``state_dict()``. Works for a single-process, DDP or
-    FSDP model alike; under FSDP every rank must call it (each tensor is all-gathered in turn,
-    so the device holds at most one full tensor at a time)."""
+def full_model_state(model: nn.Module, *, only_main: bool = False) -> dict[str, torch.Tensor]:
+    """The whole model's state dict on the CPU: plain tensors, detached copies, the same keys
+    as the unsharded model's ``state_dict()``. Works for a single-process, DDP or FSDP model
+    alike; under FSDP every rank must call it (each tensor is all-gathered in turn, so the
+    device holds at most one full tensor at a time). With ``only_main`` ranks other than 0 take
+    part in the gathering but keep nothing and get ``{}`` (host memory for one copy only)."""
+    import torch.distributed as dist
+
+    keep = not only_main or not dist.is_initialized() or dist.get_rank() == 0
     out: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
         if hasattr(tensor, "full_tensor"):
             tensor = tensor.full_tensor()
-        out[name] = tensor.detach().to("cpu", copy=True)
+        if keep:
+            out[name] = tensor.detach().to("cpu", copy=True)
     return out
 
 
