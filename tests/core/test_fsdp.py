@@ -265,3 +265,15 @@ def test_a_pickle_payload_in_the_dcp_metadata_never_runs(tmp_path: Path) -> None
     with pytest.raises(CheckpointError, match="not DCP metadata"):
         CheckpointManager(step4.parent).read(step4)
     assert not marker.exists()
+
+
+def test_fp16_over_shards_uses_a_scaler_that_agrees_across_ranks() -> None:
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from speedtronic.parts import _grad_scaler
+    from speedtronic.precision import FP16, FP32
+
+    cpu = torch.device("cpu")
+    assert isinstance(_grad_scaler(FP16, cpu, sharded=True), ShardedGradScaler)
+    assert not isinstance(_grad_scaler(FP16, cpu, sharded=False), ShardedGradScaler)
+    assert not _grad_scaler(FP32, cpu, sharded=True).is_enabled()

@@ -167,7 +167,7 @@ def build_parts(
         data=data,
         device=device,
         precision=precision,
-        scaler=precision.grad_scaler(device),
+        scaler=_grad_scaler(precision, device, sharded=fsdp is not None),
         optimizer=optimizer,
         scheduler=scheduler,
         checkpoints=checkpoints
@@ -224,6 +224,16 @@ def model_limits(model: nn.Module, params: dict[str, Any]) -> dict[str, int | No
         else:
             found[key] = None
     return found
+
+
+def _grad_scaler(precision: Precision, device: torch.device, sharded: bool) -> Any:
+    """The run's GradScaler; over FSDP shards one that agrees across ranks on an overflow
+    (each rank sees only its shards' infs), so every rank skips the same steps."""
+    if sharded and precision.use_grad_scaler:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device.type)
+    return precision.grad_scaler(device)
 
 
 def _set_gradient_checkpointing(model: nn.Module, enabled: bool) -> None:
