@@ -6,8 +6,9 @@ this module only decides what it is applied to and how the trainer talks to it:
 - :func:`find_units` picks the modules that become FSDP units of their own (``units: auto`` =
   the classes a model's ``_no_split_modules`` names, the Hugging Face convention the reference
   model follows too, else the class repeated in a ``ModuleList``);
-- :func:`shard_model` applies activation checkpointing and ``torch.compile`` per unit, then
-  ``fully_shard`` on every unit and on the root, over a one-dimensional mesh of all ranks;
+- :func:`shard_model` applies activation checkpointing per unit, then ``fully_shard`` on
+  every unit and on the root, over a one-dimensional mesh of all ranks (``compile`` is then
+  applied per unit by :class:`speedtronic.compile.CompiledModel`);
 - :class:`ShardedRun` is what the trainer holds: gradient sync and resharding around
   accumulation micro-batches, and the global gradient norm over sharded gradients.
 
@@ -38,6 +39,7 @@ __all__ = [
     "is_sharded",
     "load_full_model_state",
     "load_optimizer_state",
+    "mixed_precision",
     "optimizer_state_by_name",
     "shard_model",
     "state_bytes_per_rank",
@@ -134,12 +136,10 @@ def shard_model(
     world_size: int,
     compute_dtype: torch.dtype | None = None,
     activation_checkpointing: bool = False,
-    compile_options: Any = None,
 ) -> list[nn.Module]:
     """Apply FSDP2 to ``model`` in place: per unit (see :func:`find_units`) activation
-    checkpointing when asked, ``torch.compile`` when ``compile_options.enabled``, then
-    ``fully_shard``; finally ``fully_shard`` on the root. Needs the process group to exist.
-    Returns the units."""
+    checkpointing when asked, then ``fully_shard``; finally ``fully_shard`` on the root. Needs
+    the process group to exist. Returns the units."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
@@ -150,15 +150,8 @@ def shard_model(
 
         for unit in units:
             checkpoint(unit)  # recompute each unit's activations in backward; FQNs unchanged
-    if compile_options is not None and compile_options.enabled:
-        for unit in units:
-            # In place (nn.Module.compile): the state dict keys stay those of the eager model.
-            unit.compile(
-                backend=compile_options.backend,
-                mode=None if compile_options.mode == "default" else compile_options.mode,
-                fullgraph=compile_options.fullgraph,
-                dynamic=compile_options.dynamic,
-            )
+        if not units:
+            log.warning("gradient_checkpointing: no FSDP units to recompute; training without")
     offload = None
     if fsdp_config.cpu_offload:
         if device.type == "cuda":
