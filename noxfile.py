@@ -6,6 +6,7 @@ own metadata only ask for torch>=2.1.
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import nox
@@ -26,9 +27,10 @@ nox.options.reuse_existing_virtualenvs = True
 def install_all(session: nox.Session) -> None:
     session.install(*CONSTRAINTS, "torch")
     # Every optional ecosystem piece the tests exercise for real: tokenizers and pyarrow for
-    # `data prepare`, transformers for hf_causal_lm and export, W&B and TensorBoard.
+    # `data prepare`, matplotlib for `plot`, transformers for hf_causal_lm and export, W&B and
+    # TensorBoard.
     extras = {
-        "speedtronic-core": "[tokenizers,parquet]",
+        "speedtronic-core": "[tokenizers,parquet,plot]",
         "speedtronic-models": "[transformers]",
         "speedtronic-logging": "[all]",
     }
@@ -46,12 +48,30 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", *(session.posargs or ["-q"]))
 
 
+def tracked_python_files() -> list[str]:
+    """The Python files git tracks (a scratch file of yours in the checkout is not the
+    project's); the whole tree where this is not a git checkout."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "-z", "--", "*.py"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        ).stdout.decode()
+    except (OSError, subprocess.CalledProcessError):
+        return ["."]
+    # Tracked but deleted in the working tree (not committed yet): nothing to lint.
+    return [name for name in listed.split("\0") if name and (ROOT / name).is_file()]
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff check + ruff format --check over the whole repository."""
+    """ruff check + ruff format --check over the Python files git tracks."""
     session.install("ruff==0.17.6")
-    session.run("ruff", "check", ".")
-    session.run("ruff", "format", "--check", ".")
+    files = tracked_python_files()
+    # --force-exclude: ruff.toml's exclusions apply to files named on the command line too.
+    session.run("ruff", "check", "--force-exclude", *files)
+    session.run("ruff", "format", "--check", "--force-exclude", *files)
 
 
 @nox.session
@@ -64,6 +84,14 @@ def docs(session: nox.Session) -> None:
         "mkdocs", "build", "--strict",
         "--config-file", str(ROOT / "mkdocs.yml"), "--site-dir", str(ROOT / "site"),
     )  # fmt: skip
+
+
+@nox.session
+def benchmarks(session: nox.Session) -> None:
+    """Re-measure every published figure into benchmarks/RESULTS.md (quick modes; pass
+    ``-- --only NAME`` for some; not a default session: it takes many minutes)."""
+    install_all(session)
+    session.run("python", str(ROOT / "benchmarks" / "run_all.py"), "--quick", *session.posargs)
 
 
 @nox.session

@@ -17,6 +17,17 @@ Measured per round, interleaved so machine noise hits both sides alike (medians 
 
     python benchmarks/checkpoint.py --quick     # about a minute on a busy 2-core CPU machine
     python benchmarks/checkpoint.py             # the figures in docs/checkpoints.md
+
+``--stall`` measures instead what a save costs the training loop: real runs (``Trainer.fit``)
+of the smoke model and of reference-small, saving every few steps, once with synchronous
+saves and once with ``checkpoint.async_save``. Per run: the median step time, the median time
+of the steps that carry a save, and their ratio (a step's time is the wall time between its
+``step`` event and the previous one, so a save shows up in the step after it). Interleaving is
+per run: sync and async of one model run back to back on the same machine.
+
+    python benchmarks/checkpoint.py --stall             # both models (reference-small: CPU
+                                                        # runs use 128-token sequences)
+    python benchmarks/checkpoint.py --stall --device cuda
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from results import emit
 
 from speedtronic.checkpoint import CheckpointManager
 from speedtronic.checkpoint.fileio import atomic_write_with
@@ -80,8 +92,76 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - started
 
 
+ROOT = Path(__file__).resolve().parents[1]
+# (config, steps, save interval, overrides on the CPU)
+STALL_RUNS = {
+    "smoke": ("configs/smoke.yaml", 60, 6, []),
+    "reference-small": (
+        "configs/reference-small.yaml",
+        20,
+        4,
+        ["data.micro_batch_size=1", "data.target_batch_size=1", "data.seq_len=128"],
+    ),
+}
+
+
+def stall_run(name: str, background: bool, device: str, workdir: Path) -> tuple[float, float]:
+    """(median step s, median s of the steps that carry a save) of one real run."""
+    from speedtronic.config import SpeedtronicConfig
+
+    path, steps, interval, cpu_overrides = STALL_RUNS[name]
+    overrides = [
+        f"run.max_steps={steps}",
+        f"run.device={device}",
+        f"run.output_dir={workdir / (name + ('-async' if background else '-sync'))}",
+        f"checkpoint.interval={interval}",
+        "checkpoint.keep_last=2",
+        "checkpoint.save_final=false",
+        f"checkpoint.async_save={'true' if background else 'false'}",
+        "eval.every=0",
+        "eval.at_end=false",
+        "logging.log_every=1",
+        "logging.progress=false",
+        "data.num_workers=0",
+        "compile.enabled=false",
+    ]
+    if device == "cpu":
+        overrides += cpu_overrides
+    config = SpeedtronicConfig.from_file(ROOT / path).with_overrides(overrides)
+    stamps: dict[int, float] = {}
+
+    def stamp(event: str, payload: dict[str, Any]) -> None:
+        if event == "step":
+            if device == "cuda":
+                torch.cuda.synchronize()
+            stamps[payload["step"]] = time.perf_counter()
+
+    build_runtime(config, hooks=[stamp], console=False).trainer.fit()
+    durations = {s: stamps[s] - stamps[s - 1] for s in stamps if s - 1 in stamps and s > 3}
+    carrying = [d for s, d in durations.items() if (s - 1) % interval == 0]
+    plain = [d for s, d in durations.items() if (s - 1) % interval]
+    if not plain or not carrying:
+        raise SystemExit(f"{name}: the run logged too few steps to compare ({sorted(stamps)})")
+    return statistics.median(plain), statistics.median(carrying)
+
+
+def stall(device: str, names: list[str], workdir: Path) -> None:
+    print(f"step-time stall of a save ({device}, {torch.get_num_threads()} threads)")
+    print(f"{'model':16} {'saves':6} {'median step s':>14} {'save step s':>12} {'ratio':>7}")
+    for name in names:
+        for background in (False, True):
+            step, save = stall_run(name, background, device, workdir)
+            mode = "async" if background else "sync"
+            print(f"{name:16} {mode:6} {step:14.4f} {save:12.4f} {save / step:6.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stall", action="store_true", help="the step-time stall of a save")
+    parser.add_argument("--device", default="cpu", help="with --stall: cpu or cuda")
+    parser.add_argument(
+        "--models", default="smoke,reference-small", help="with --stall: which runs"
+    )
     parser.add_argument("--quick", action="store_true", help="smaller model, fewer rounds")
     parser.add_argument("--rounds", type=int, help="timed rounds (default 3 quick, 5 full)")
     parser.add_argument("--dir", help="where to write (default: a temporary directory)")
@@ -89,6 +169,12 @@ def main() -> None:
     rounds = args.rounds or (3 if args.quick else 5)
 
     workdir = Path(tempfile.mkdtemp(prefix="speedtronic-ckpt-bench-", dir=args.dir))
+    if args.stall:
+        try:
+            stall(args.device, args.models.split(","), workdir)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        return
     try:
         trainer = build_trainer(args.quick, workdir)
         state = trainer.state_dict()
@@ -169,6 +255,19 @@ def main() -> None:
             f"{on_disk / median['ours_save']:.0f} MB/s, load {on_disk / median['ours_load']:.0f}"
             " MB/s"
         )
+        method = f"wall-clock time, {rounds} interleaved rounds, {torch.get_num_threads()} threads"
+        for figure, ours, base, label in (
+            ("checkpoint.save_vs_torch_save", "ours_save", "bare_save", "save / torch.save"),
+            (
+                "checkpoint.save_vs_durable",
+                "ours_save",
+                "durable_save",
+                "save / durable torch.save",
+            ),
+            ("checkpoint.load", "ours_load", "bare_load", "load + restore / torch.load + restore"),
+        ):
+            ratios = [a / b for a, b in zip(times[ours], times[base], strict=True)]
+            emit(figure, ratios, unit="x", method=method, label=f"CheckpointManager {label}")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 

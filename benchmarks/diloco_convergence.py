@@ -51,13 +51,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from results import emit
 
 from speedtronic.data import ByteTextStream, SyntheticTokenStream
 from speedtronic_diloco.config import DistributedConfig
 from speedtronic_diloco.coordinator import DumbDiLoCoCoordinator
 from speedtronic_diloco.fragments import FragmentSchedule
-from speedtronic_diloco.shared_dir import SharedDirectoryTransport
-from speedtronic_diloco.transport import DeltaInfo, GlobalMetadata, Transport
+from speedtronic_diloco.transports import DeltaInfo, GlobalMetadata, Transport
+from speedtronic_diloco.transports.shared_dir import SharedDirectoryTransport
 from speedtronic_models import ReferenceTransformer
 
 MODEL = dict(vocab_size=256, max_seq_len=32, n_layer=2, n_head=2, n_kv_head=1, d_model=32)
@@ -590,6 +591,16 @@ def main() -> None:
             f"| {dp_bytes / moved:.0f} | {up / 1024:.1f} | {down / 1024:.1f} "
             f"| {statistics.mean(per_seed[s]['error'] for s in setting.seeds):.4f} |"
         )
+        if ratios:
+            suffix = ".quick" if args.quick else ""
+            emit(
+                f"diloco_convergence.{setting.key.replace('/', '.')}{suffix}",
+                ratios,
+                unit="x",
+                method=f"lock-step simulation in one process, {steps} steps per node, "
+                f"{len(ratios)} seed(s) (spread over seeds)",
+                label="held-out loss, DiLoCo global / synchronous 4x batch",
+            )
     print(f"\n({time.monotonic() - started:.0f} s)")
 
 

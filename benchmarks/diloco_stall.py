@@ -27,9 +27,9 @@ import torch
 from speedtronic.data import SyntheticTokenStream
 from speedtronic_diloco.config import DistributedConfig
 from speedtronic_diloco.coordinator import DumbDiLoCoCoordinator
-from speedtronic_diloco.shared_dir import SharedDirectoryTransport
 from speedtronic_diloco.tensors import cpu_state_dict, save_tensors
-from speedtronic_diloco.transport import DeltaInfo, GlobalMetadata, Transport
+from speedtronic_diloco.transports import DeltaInfo, GlobalMetadata, Transport
+from speedtronic_diloco.transports.shared_dir import SharedDirectoryTransport
 from speedtronic_models import ReferenceTransformer
 
 MODELS = {

@@ -1,13 +1,28 @@
-"""Forward+backward throughput of the reference transformer against a plain GPT-2 baseline.
+"""Training throughput of the reference transformer against a plain GPT-2 of the same size.
 
 The baseline is written here in the most direct PyTorch: learned positions, LayerNorm, biases,
 attention as ``softmax(q @ k.T + mask) @ v`` with a dense causal mask, a 4x GELU MLP and a tied
-head. Both models get the same width, depth, heads, vocabulary and batch, and their timings are
-interleaved in rounds within one process so that machine noise hits both alike. Each model's
-best round is reported (noise only ever adds time), and their ratio is the result. On CUDA
-the table adds model FLOPs utilisation (MFU) and peak memory.
+head. Both models get the same width, depth, heads, vocabulary and batch, and the reference's
+SwiGLU width is the multiple of 8 nearest 8/3 ``d_model``, so their matmul parameters agree
+within 1% (``--ffn default`` keeps the model's default width, rounded up to a multiple of 64:
+6% more parameters at ``d_model`` 128). Each step is a forward and backward pass (no optimizer).
 
-    python benchmarks/model_throughput.py --quick      # CPU: well under a minute
+Three shapes, per token the figure that matters (depth scales both models alike, so the large
+shape keeps few layers on a CPU):
+
+* ``d128``: d_model 128, seq 64, 4 layers, 4 heads, batch 12, vocab 256 (nanoGPT's CPU recipe
+  for shakespeare_char, with byte-level tokens);
+* ``d256``: d_model 256, seq 256, 4 layers, 8 heads, batch 8, vocab 8192;
+* ``d768``: d_model 768, seq 1024, 12 heads (GPT-2 small's width and context), 2 layers (1 with
+  ``--quick``), batch 1, vocab 8192.
+
+Rounds alternate the two models (and which goes first) within one process; each round times
+``steps`` steps of each in CPU time of this process (``time.process_time``: other tenants of a
+shared machine do not count, unlike wall-clock time) on ``--threads`` threads (default 1). Per
+round the result is the reference's tokens per CPU-second over the baseline's; the script prints
+their min / median / max over rounds, and one ``RESULT`` line per shape for run_all.py.
+
+    python benchmarks/model_throughput.py --quick      # CPU, a few minutes on a busy 2-core box
     python benchmarks/model_throughput.py              # the figures in docs/models.md
     python benchmarks/model_throughput.py --device cuda --peak-tflops 989
 """
@@ -22,6 +37,7 @@ from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
+from results import emit, spread
 from torch import Tensor, nn
 
 from speedtronic_models import ReferenceTransformer
@@ -29,19 +45,17 @@ from speedtronic_models import ReferenceTransformer
 # Dense bf16 peak TFLOP/s by device-name fragment, for MFU when --peak-tflops is not given.
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "A100": 312.0}
 
-# Shapes per (device kind, quick): CPU sizes finish in seconds on two idle cores; GPU sizes are
-# those of configs/reference-small.yaml. Many short rounds give best-of a chance to find quiet
-# moments on a shared machine.
-PRESETS: dict[tuple[str, bool], dict[str, int]] = {
-    ("cpu", True): dict(vocab_size=4096, d_model=128, n_layer=2, n_head=4, seq_len=256,
-                        batch_size=8, steps=2, rounds=6, warmup=2),
-    ("cpu", False): dict(vocab_size=8192, d_model=256, n_layer=4, n_head=8, seq_len=256,
-                         batch_size=8, steps=2, rounds=10, warmup=2),
-    ("cuda", True): dict(vocab_size=32768, d_model=512, n_layer=8, n_head=8, seq_len=1024,
-                         batch_size=16, steps=10, rounds=3, warmup=3),
-    ("cuda", False): dict(vocab_size=32768, d_model=512, n_layer=8, n_head=8, seq_len=1024,
-                          batch_size=16, steps=30, rounds=5, warmup=5),
-}  # fmt: skip
+# name -> shape; (steps per round, rounds) come from STEPS below.
+SHAPES: dict[str, dict[str, int]] = {
+    "d128": dict(vocab_size=256, d_model=128, n_layer=4, n_head=4, seq_len=64, batch_size=12),
+    "d256": dict(vocab_size=8192, d_model=256, n_layer=4, n_head=8, seq_len=256, batch_size=8),
+    "d768": dict(vocab_size=8192, d_model=768, n_layer=2, n_head=12, seq_len=1024, batch_size=1),
+}
+# (steps per round, rounds) per shape, full and --quick.
+STEPS = {
+    False: {"d128": (4, 15), "d256": (1, 11), "d768": (1, 7)},
+    True: {"d128": (2, 9), "d256": (1, 7), "d768": (1, 5)},
+}
 
 
 class PlainAttention(nn.Module):
@@ -111,6 +125,11 @@ class PlainGPT(nn.Module):
         return {"logits": logits, "loss": loss}
 
 
+def matched_ffn(d_model: int) -> int:
+    """The SwiGLU width whose three matrices hold as many parameters as a 4x GELU MLP's two."""
+    return 8 * round(8 * d_model / 3 / 8)
+
+
 def matmul_params(model: nn.Module) -> int:
     """Parameters that take part in a matmul per token: every matrix except position tables.
 
@@ -140,15 +159,19 @@ def peak_tflops(device: torch.device, override: float | None) -> float | None:
 
 
 def time_steps(step: Callable[[], None], steps: int, device: torch.device) -> float:
-    """Seconds for ``steps`` calls of ``step``, device work included."""
+    """Seconds for ``steps`` calls of ``step``: CPU time of this process on a CPU, wall-clock
+    time with the device synchronised on CUDA (where the work is not this process's CPU's)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    start = time.perf_counter()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+    start = time.process_time()
     for _ in range(steps):
         step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
+    return time.process_time() - start
 
 
 def make_step(model: nn.Module, input_ids: Tensor, labels: Tensor, autocast) -> Callable[[], None]:
@@ -161,37 +184,26 @@ def make_step(model: nn.Module, input_ids: Tensor, labels: Tensor, autocast) -> 
     return step
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smaller shapes, fewer rounds")
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    for name in ("vocab-size", "d-model", "n-layer", "n-head", "seq-len", "batch-size",
-                 "steps", "rounds", "warmup"):  # fmt: skip
-        parser.add_argument(f"--{name}", type=int, help="override the preset")
-    parser.add_argument("--n-kv-head", type=int, help="reference KV heads (default: n_head)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile both models")
-    parser.add_argument("--peak-tflops", type=float, help="device peak, for MFU")
-    args = parser.parse_args()
-
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+def measure(name: str, shape: dict[str, int], args: argparse.Namespace) -> None:
+    """Time both models at one shape and print the table and the RESULT line."""
     device = torch.device(args.device)
-    shape = dict(PRESETS[(device.type, args.quick)])
-    for key in shape:
-        if getattr(args, key) is not None:
-            shape[key] = getattr(args, key)
-    n_kv_head = args.n_kv_head or shape["n_head"]
+    steps, rounds = STEPS[args.quick][name]
+    if args.quick and name == "d768":
+        shape = {**shape, "n_layer": 1}
+    steps, rounds = args.steps or steps, args.rounds or rounds
     use_bf16 = device.type == "cuda"
 
     def autocast():
         return torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else nullcontext()
 
+    ffn = matched_ffn(shape["d_model"]) if args.ffn == "matched" else None
     torch.manual_seed(0)
     models: dict[str, nn.Module] = {
         "reference": ReferenceTransformer(
             vocab_size=shape["vocab_size"], max_seq_len=shape["seq_len"],
-            n_layer=shape["n_layer"], n_head=shape["n_head"], n_kv_head=n_kv_head,
-            d_model=shape["d_model"],
+            n_layer=shape["n_layer"], n_head=shape["n_head"],
+            n_kv_head=args.n_kv_head or shape["n_head"], d_model=shape["d_model"],
+            ffn_hidden=ffn,
         ),
         "plain GPT-2": PlainGPT(
             shape["vocab_size"], shape["seq_len"], shape["n_layer"], shape["n_head"],
@@ -201,61 +213,89 @@ def main() -> None:
     input_ids = torch.randint(0, shape["vocab_size"], (shape["batch_size"], shape["seq_len"]))
     labels = torch.roll(input_ids, -1, dims=1)
     input_ids, labels = input_ids.to(device), labels.to(device)
-
-    steps = {}
-    for name, model in models.items():
+    run = {}
+    for label, model in models.items():
         model.to(device).train()
         runnable = torch.compile(model) if args.compile else model
-        steps[name] = make_step(runnable, input_ids, labels, autocast)
-        time_steps(steps[name], shape["warmup"], device)
+        run[label] = make_step(runnable, input_ids, labels, autocast)
+        time_steps(run[label], 2, device)  # warm-up
 
-    tokens_per_step = shape["batch_size"] * shape["seq_len"]
-    rates: dict[str, list[float]] = {name: [] for name in models}
+    tokens = steps * shape["batch_size"] * shape["seq_len"]
+    rates: dict[str, list[float]] = {label: [] for label in models}
     peak_mem: dict[str, float] = {}
-    for _ in range(shape["rounds"]):
-        for name in models:
+    for index in range(rounds):
+        order = list(models) if index % 2 == 0 else list(reversed(models))
+        for label in order:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            seconds = time_steps(steps[name], shape["steps"], device)
-            rates[name].append(shape["steps"] * tokens_per_step / seconds)
+            rates[label].append(tokens / time_steps(run[label], steps, device))
             if device.type == "cuda":
-                peak_mem[name] = torch.cuda.max_memory_allocated(device) / 2**20
+                peak_mem[label] = torch.cuda.max_memory_allocated(device) / 2**20
+    ratios = [r / b for r, b in zip(rates["reference"], rates["plain GPT-2"], strict=True)]
 
+    clock = "wall-clock time" if device.type == "cuda" else "CPU time"
+    print(
+        f"\n{name}: vocab {shape['vocab_size']}, d_model {shape['d_model']}, "
+        f"n_layer {shape['n_layer']}, n_head {shape['n_head']}, seq {shape['seq_len']}, "
+        f"batch {shape['batch_size']}, SwiGLU width {models['reference'].config.ffn_hidden}; "
+        f"{rounds} interleaved rounds x {steps} steps, {clock}"
+    )
+    header = f"  {'model':<13}{'params':>12}{'tokens/s min / median / max':>32}"
     peak = peak_tflops(device, args.peak_tflops)
-    print(
-        f"torch {torch.__version__}, device {device}"
-        + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
-        + f", threads {torch.get_num_threads()}, {'bf16 autocast' if use_bf16 else 'fp32'}"
-        + (", compiled" if args.compile else "")
-    )
-    print(
-        f"shape: vocab {shape['vocab_size']}, d_model {shape['d_model']}, "
-        f"n_layer {shape['n_layer']}, n_head {shape['n_head']}, n_kv_head {n_kv_head}, "
-        f"seq {shape['seq_len']}, batch {shape['batch_size']}; "
-        f"best of {shape['rounds']} rounds x {shape['steps']} steps"
-    )
-    header = f"{'model':<14}{'params':>12}{'tokens/s':>12}{'ms/step':>10}"
     if peak is not None:
         header += f"{'MFU':>8}"
     if peak_mem:
         header += f"{'peak MiB':>10}"
     print(header)
-    best = {}
-    for name, model in models.items():
-        best[name] = max(rates[name])
+    for label, model in models.items():
+        low, middle, high = spread(rates[label])
         params = sum(p.numel() for p in model.parameters())
-        row = (
-            f"{name:<14}{params:>12,}{best[name]:>12,.0f}"
-            f"{1e3 * tokens_per_step / best[name]:>10.1f}"
-        )
+        row = f"  {label:<13}{params:>12,}{f'{low:,.0f} / {middle:,.0f} / {high:,.0f}':>32}"
         if peak is not None:
             flops = flops_per_token(model, shape["n_layer"], shape["d_model"], shape["seq_len"])
-            row += f"{flops * best[name] / (peak * 1e12):>8.1%}"
+            row += f"{flops * middle / (peak * 1e12):>8.1%}"
         if peak_mem:
-            row += f"{peak_mem[name]:>10,.0f}"
+            row += f"{peak_mem[label]:>10,.0f}"
         print(row)
-    ratio = best["reference"] / best["plain GPT-2"]
-    print(f"ratio reference / plain GPT-2 tokens/s: {ratio:.2f}x")
+    low, middle, high = spread(ratios)
+    print(f"  ratio reference / plain GPT-2: {middle:.2f}x (rounds {low:.2f} - {high:.2f})")
+    method = f"{clock}, {rounds} interleaved rounds of {steps} steps, {torch.get_num_threads()}"
+    method += f" thread(s), {device.type}" + (", bf16" if use_bf16 else ", fp32")
+    emit(
+        f"model_throughput.{name}",
+        ratios,
+        unit="x",
+        method=method,
+        label=f"reference / plain GPT-2 tokens per {'second' if use_bf16 else 'CPU-second'}, "
+        f"{name} (seq {shape['seq_len']})",
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds, a shallower d768")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--shapes", default="d128,d256,d768", help="comma-separated subset")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (CPU)")
+    parser.add_argument("--steps", type=int, help="steps per round (default per shape)")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds (default per shape)")
+    parser.add_argument("--ffn", choices=("matched", "default"), default="matched",
+                        help="the reference's SwiGLU width")  # fmt: skip
+    parser.add_argument("--n-kv-head", type=int, help="reference KV heads (default: n_head)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile both models")
+    parser.add_argument("--peak-tflops", type=float, help="device peak, for MFU")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    print(
+        f"torch {torch.__version__}, device {device}"
+        + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
+        + f", threads {torch.get_num_threads()}"
+        + (", compiled" if args.compile else "")
+        + f", SwiGLU width {args.ffn}"
+    )
+    for name in args.shapes.split(","):
+        measure(name, SHAPES[name], args)
 
 
 if __name__ == "__main__":

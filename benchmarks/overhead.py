@@ -13,6 +13,15 @@ Two measurements:
 * a tiny model whose step is about a millisecond: the loop's fixed cost per step in
   microseconds, which is what a ratio on a bigger model hides.
 
+Two more compare Speedtronic with itself:
+
+* the per-step metrics of issue 33 (``tflops`` and ``mfu`` on every step record, the profiler
+  check every step): the tiny model logging every step, with a FLOP count and a peak against
+  without (the count itself happens once at train start and is timed apart): target <= 1.005;
+* the profiler window: the reference transformer with ``profile: {start: 3, end: 5}`` against
+  the same run without it, timing the steps after the window only (from the ``step`` record of
+  step 10 to the last): it should be within noise of 1.0.
+
 Runs are interleaved in rounds, alternating which side goes first, so machine noise hits both
 alike; results are medians over rounds, for wall-clock time and for this process's CPU time. On
 a shared machine other tenants inflate wall-clock time at random while CPU time counts only the
@@ -36,9 +45,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from results import emit
 from torch import nn
 
 from speedtronic import SpeedtronicConfig
+from speedtronic import flops as flops_module
+from speedtronic import trainer as trainer_module
 from speedtronic.data import SyntheticTokenStream
 from speedtronic.optim import decay_groups, lr_lambda
 from speedtronic.runtime import build_runtime
@@ -143,12 +155,20 @@ def timed_baseline(model: nn.Module, config: SpeedtronicConfig) -> tuple[float, 
 
 
 def timed_speedtronic(model: nn.Module, config: SpeedtronicConfig) -> tuple[float, float, float]:
-    """``Trainer.fit`` on the same model: (wall seconds, CPU seconds, last logged loss)."""
+    """``Trainer.fit`` on the same model: (wall seconds, CPU seconds, last logged loss). The
+    FLOP count a run makes once at train start is made before the clock starts (its cost is
+    reported on its own): this compares the loops, step for step."""
     runtime = build_runtime(config, model=model, console=False)
-    with no_gc():
-        wall, cpu = time.perf_counter(), time.process_time()
-        result = runtime.trainer.fit()
-        return time.perf_counter() - wall, time.process_time() - cpu, float(result.final_loss)
+    report = flops_module.measure_run_flops(runtime.trainer)
+    saved = trainer_module.measure_run_flops
+    trainer_module.measure_run_flops = lambda trainer: report
+    try:
+        with no_gc():
+            wall, cpu = time.perf_counter(), time.process_time()
+            result = runtime.trainer.fit()
+            return time.perf_counter() - wall, time.process_time() - cpu, float(result.final_loss)
+    finally:
+        trainer_module.measure_run_flops = saved
 
 
 def compare(
@@ -200,15 +220,137 @@ def compare(
         "cpu_ratio_q3": quartiles[2],
         "base_cpu_ms": statistics.median(r[2] for r in rows) / steps * 1e3,
         "extra_cpu_us": statistics.median((r[3] - r[2]) for r in rows) / steps * 1e6,
+        "cpu_ratios": cpu_ratios,
+        "extra_cpu_us_rounds": [(r[3] - r[2]) / steps * 1e6 for r in rows],
     }
     print(f"final loss: baseline {losses[0]:.5f}, speedtronic {losses[1]:.5f}")
     return result
+
+
+def timed_fit(
+    model: nn.Module, config: SpeedtronicConfig, report: flops_module.FlopsReport, hooks=()
+) -> tuple[float, float]:
+    """``Trainer.fit`` with ``report`` as the run's FLOP count (no count at start): (wall
+    seconds, CPU seconds)."""
+    saved = trainer_module.measure_run_flops
+    trainer_module.measure_run_flops = lambda trainer: report
+    try:
+        runtime = build_runtime(config, model=model, console=False, hooks=hooks)
+        with no_gc():
+            wall, cpu = time.perf_counter(), time.process_time()
+            runtime.trainer.fit()
+            return time.perf_counter() - wall, time.process_time() - cpu
+    finally:
+        trainer_module.measure_run_flops = saved
+
+
+def compare_step_metrics(steps: int, rounds: int) -> dict[str, float]:
+    """The tiny model logging every step, with and without tflops/mfu; interleaved rounds."""
+    config = make_config(steps, log_every=1)
+    torch.manual_seed(0)
+    initial = TinyModel().state_dict()
+
+    def fresh() -> nn.Module:
+        model = TinyModel()
+        model.load_state_dict(copy.deepcopy(initial))
+        return model
+
+    trainer = build_runtime(config, model=fresh(), console=False).trainer
+    flops_module.measure_run_flops(trainer)  # warm-up: first use loads the counter's code
+    start = time.process_time()
+    counted = flops_module.measure_run_flops(trainer)
+    count_ms = (time.process_time() - start) * 1e3
+    with_metrics = flops_module.FlopsReport(
+        counted.parameters, counted.flops_per_token, peak_tflops=1.0
+    )
+    without = flops_module.FlopsReport(counted.parameters)
+    timed_fit(fresh(), make_config(3, 1), with_metrics)  # warm-up
+    print(
+        f"\nper-step metrics (tflops, mfu): tiny model, log_every 1, {steps} steps, {rounds} rounds"
+    )
+    print(f"{'round':>5} {'off cpu ms':>10} {'on cpu ms':>10} {'ratio':>6}")
+    rows = []
+    for index in range(rounds):
+        order = (without, with_metrics) if index % 2 == 0 else (with_metrics, without)
+        times = {id(report): timed_fit(fresh(), config, report)[1] for report in order}
+        off, on = times[id(without)], times[id(with_metrics)]
+        rows.append((off, on))
+        print(f"{index:>5} {off / steps * 1e3:>10.3f} {on / steps * 1e3:>10.3f} {on / off:>6.3f}")
+    ratios = [on / off for off, on in rows]
+    # The same cost measured directly: what the loop adds per step record (the rates) and per
+    # step (the profiler check), against the tiny model's step.
+    calls = 100_000
+    start = time.process_time()
+    for _ in range(calls):
+        with_metrics.rates(1.0e6)
+    rates_us = (time.process_time() - start) / calls * 1e6
+    step_us = statistics.median(off for off, _ in rows) / steps * 1e6
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    return {
+        "cpu_ratio": statistics.median(ratios),
+        "q1": quartiles[0],
+        "q3": quartiles[2],
+        "extra_cpu_us": statistics.median(on - off for off, on in rows) / steps * 1e6,
+        "rates_us": rates_us,
+        "direct_ratio": 1 + rates_us / step_us,
+        "count_ms": count_ms,
+    }
+
+
+class StepClock:
+    """A metric hook noting this process's CPU time at each ``step`` record."""
+
+    def __init__(self) -> None:
+        self.cpu: dict[int, float] = {}
+
+    def __call__(self, event: str, payload: dict[str, Any]) -> None:
+        if event == "step":
+            self.cpu[payload["step"]] = time.process_time()
+
+
+def compare_profile_window(steps: int, rounds: int) -> dict[str, float]:
+    """CPU time of the steps after a profiler window (3..5) against a run without one."""
+    plain = make_config(steps, log_every=5)
+    profiled = plain.with_overrides({"profile.start": 3, "profile.end": 5})
+    torch.manual_seed(0)
+    initial = ReferenceTransformer(**REFERENCE).state_dict()
+    report = flops_module.FlopsReport(0)
+
+    def after_window(config: SpeedtronicConfig) -> float:
+        model = ReferenceTransformer(**REFERENCE)
+        model.load_state_dict(copy.deepcopy(initial))
+        clock = StepClock()
+        timed_fit(model, config, report, hooks=[clock])
+        return (clock.cpu[steps] - clock.cpu[10]) / (steps - 10)
+
+    after_window(profiled)  # warm-up: the profiler's first start loads its libraries
+    print(
+        f"\nprofiler window 3..5: reference transformer, {steps} steps, {rounds} rounds; "
+        "CPU ms per step after step 10"
+    )
+    print(f"{'round':>5} {'plain':>8} {'profiled':>9} {'ratio':>6}")
+    ratios = []
+    for index in range(rounds):
+        if index % 2 == 0:
+            base, with_window = after_window(plain), after_window(profiled)
+        else:
+            with_window, base = after_window(profiled), after_window(plain)
+        ratios.append(with_window / base)
+        print(f"{index:>5} {base * 1e3:>8.2f} {with_window * 1e3:>9.2f} {ratios[-1]:>6.3f}")
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    return {"cpu_ratio": statistics.median(ratios), "q1": quartiles[0], "q3": quartiles[2]}
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps and rounds")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument(
+        "--only",
+        choices=("loop", "metrics", "profile"),
+        help="run one comparison: the loop against plain PyTorch, the per-step tflops/mfu, "
+        "or the profiler window (default: all)",
+    )
     args = parser.parse_args(argv)
     steps, rounds, tiny_steps, tiny_rounds = PRESETS[args.quick]
     torch.set_num_threads(args.threads)
@@ -218,28 +360,69 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         f"loss read every {LOG_EVERY} steps"
     )
 
-    reference = compare(
-        f"reference transformer {REFERENCE}",
-        lambda: ReferenceTransformer(**REFERENCE),
-        steps,
-        rounds,
-    )
-    tiny = compare("tiny model (fixed cost per step)", TinyModel, tiny_steps, tiny_rounds)
+    results: dict[str, dict[str, float]] = {}
+    if args.only in (None, "loop"):
+        results["reference"] = compare(
+            f"reference transformer {REFERENCE}",
+            lambda: ReferenceTransformer(**REFERENCE),
+            steps,
+            rounds,
+        )
+        results["tiny"] = compare(
+            "tiny model (fixed cost per step)", TinyModel, tiny_steps, tiny_rounds
+        )
+    if args.only in (None, "metrics"):
+        results["metrics"] = compare_step_metrics(tiny_steps, max(tiny_rounds, 7))
+    if args.only in (None, "profile"):
+        results["profile_window"] = compare_profile_window(steps * 2, rounds)
 
     print("\nsummary")
-    print(
-        f"  reference transformer: baseline step {reference['base_cpu_ms']:.1f} ms CPU; "
-        f"speedtronic/baseline median ratio: CPU {reference['cpu_ratio']:.3f} "
-        f"(rounds' interquartile range {reference['cpu_ratio_q1']:.3f}.."
-        f"{reference['cpu_ratio_q3']:.3f}), wall {reference['wall_ratio']:.3f} "
-        "(target <= 1.03)"
-    )
-    print(
-        f"  tiny model: baseline step {tiny['base_cpu_ms']:.2f} ms CPU; speedtronic adds "
-        f"{tiny['extra_cpu_us']:+.0f} us CPU per step (ratio {tiny['cpu_ratio']:.3f}), "
-        f"{tiny['extra_cpu_us'] / 20e3 * 100:+.2f}% of a 20 ms step"
-    )
-    return {"reference": reference, "tiny": tiny}
+    reference, tiny = results.get("reference"), results.get("tiny")
+    if reference is not None and tiny is not None:
+        print(
+            f"  reference transformer: baseline step {reference['base_cpu_ms']:.1f} ms CPU; "
+            f"speedtronic/baseline median ratio: CPU {reference['cpu_ratio']:.3f} "
+            f"(rounds' interquartile range {reference['cpu_ratio_q1']:.3f}.."
+            f"{reference['cpu_ratio_q3']:.3f}), wall {reference['wall_ratio']:.3f} "
+            "(target <= 1.03)"
+        )
+        print(
+            f"  tiny model: baseline step {tiny['base_cpu_ms']:.2f} ms CPU; speedtronic adds "
+            f"{tiny['extra_cpu_us']:+.0f} us CPU per step (ratio {tiny['cpu_ratio']:.3f}), "
+            f"{tiny['extra_cpu_us'] / 20e3 * 100:+.2f}% of a 20 ms step"
+        )
+        method = f"CPU time, {{}} interleaved rounds of {{}} steps, {args.threads} thread(s)"
+        emit(
+            "overhead.reference_cpu_ratio",
+            reference["cpu_ratios"],
+            unit="x",
+            method=method.format(rounds, steps),
+            label="Trainer.fit / hand-written loop, step CPU time, reference transformer",
+        )
+        emit(
+            "overhead.tiny_extra_us",
+            tiny["extra_cpu_us_rounds"],
+            unit="us",
+            method=method.format(tiny_rounds, tiny_steps),
+            label="CPU time Trainer.fit adds per step, tiny model",
+        )
+    metrics = results.get("metrics")
+    if metrics is not None:
+        print(
+            f"  per-step tflops/mfu: CPU ratio with/without {metrics['cpu_ratio']:.4f} "
+            f"(interquartile range {metrics['q1']:.3f}..{metrics['q3']:.3f}; target <= 1.005);"
+            f" measured directly: {metrics['rates_us']:.2f} us per step record, a ratio of "
+            f"{metrics['direct_ratio']:.5f} on the tiny model logging every step; the FLOP "
+            f"count at train start took {metrics['count_ms']:.0f} ms CPU once (tiny model)"
+        )
+    window = results.get("profile_window")
+    if window is not None:
+        print(
+            f"  profiler window 3..5: CPU per step after it / without it "
+            f"{window['cpu_ratio']:.3f} (interquartile range {window['q1']:.3f}.."
+            f"{window['q3']:.3f})"
+        )
+    return results
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import yaml
 from speedtronic import hookimpl, plugins
 from speedtronic.config import SpeedtronicConfig, plugin_sections
 from speedtronic.errors import ConfigError, PluginError
+from speedtronic.parts import accumulation_steps
 from speedtronic.schema import REDACTED, Section, option
 
 SAMPLE = {
@@ -44,7 +45,7 @@ def test_defaults_cover_every_section_of_the_issue() -> None:
     assert (config.run.name, config.run.seed, config.run.device) == ("speedtronic", 0, "auto")
     assert (config.run.max_steps, config.run.output_dir) == (100, "runs/speedtronic")
     assert config.model.name == "reference_transformer" and config.model.params == {}
-    assert config.data.accumulation_steps == 1
+    assert accumulation_steps(config) == 1
     assert config.optimizer.lr > 0 and config.scheduler.name == "cosine"
     assert config.precision.mode == "auto" and config.compile.enabled is False
     assert config.gradient_checkpointing is False
@@ -82,7 +83,7 @@ def test_every_source_gives_the_same_config(tmp_path: Path) -> None:
     ]
     for config in loaded:
         assert config == expected
-    assert expected.run.name == "sample" and expected.data.accumulation_steps == 2
+    assert expected.run.name == "sample" and accumulation_steps(expected) == 2
     assert expected.model.params == {"width": 16}
     assert expected.optimizer.betas == (0.8, 0.9)
 

@@ -26,12 +26,12 @@ def good(text: str = "fine") -> str:
 
 
 def fails(tmp_path: Path, inputs, match: str, **kwargs) -> DataError:
-    out = tmp_path / "out"
+    out = tmp_path / "new" / "out"  # neither exists: both must be gone after the failure
     with pytest.raises(DataError, match=match) as info:
         prepare(inputs, out, workers=kwargs.pop("workers", 1), **kwargs)
     assert "\n" not in str(info.value)
-    assert not out.exists() or not list(out.rglob("*.bin"))
-    assert not (out / "index.json").exists()
+    # Nothing at all: not even an empty --out with the lock file in it (issue 34).
+    assert not out.parent.exists(), list(out.parent.rglob("*"))
     return info.value
 
 

@@ -53,6 +53,7 @@ NEEDS_STORE = "needs the store of a running DumbDiLoCo run"
 # examples parsed and validated only; README.md and tutorial.md train the same config for real.
 REFERENCE = "the reference page's train examples are parsed and validated (the time budget)"
 
+PLOTS_OTHER_RUNS = "draws runs this page does not train (README.md and tutorial.md plot theirs)"
 # (page, command as written, continuations joined) -> why it is only parsed and validated.
 NOT_RUN: dict[tuple[str, str], str] = {
     **{
@@ -91,6 +92,18 @@ NOT_RUN: dict[tuple[str, str], str] = {
         "docs/models.md",
         "speedtronic export --config diloco-worker.yaml --global --out exports/global",
     ): NEEDS_STORE,
+    (
+        "docs/monitoring.md",
+        "speedtronic diloco status -c configs/diloco.yaml --run-dir runs/diloco/master "
+        "--plot rounds.png",
+    ): NEEDS_STORE,
+    **{
+        ("docs/cli.md", command): PLOTS_OTHER_RUNS
+        for command in (
+            "speedtronic plot runs/tutorial --out curves.png",
+            "speedtronic plot runs/lr-3e-3 runs/lr-1e-3 --out compare.png --x tokens",
+        )
+    },
     **{
         ("docs/cli.md", command): REFERENCE
         for command in (

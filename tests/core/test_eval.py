@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from core.toy_runs import merge_sections, tiny_transformer_run, train
@@ -19,7 +20,7 @@ from core.toy_runs import merge_sections, tiny_transformer_run, train
 from speedtronic import SpeedtronicConfig
 from speedtronic.checkpoint import CheckpointManager
 from speedtronic.errors import CheckpointError, ConfigError
-from speedtronic.eval import EvalResult, eval_seed
+from speedtronic.eval import EvalResult, eval_seed, spread_windows
 from speedtronic.runtime import build_runtime
 
 EVAL_CLI = (sys.executable, "-m", "speedtronic", "eval", "-c")
@@ -67,7 +68,7 @@ def test_the_synthetic_held_out_samples_are_not_training_samples(tmp_path: Path)
     runtime = build_runtime(config, console=False)
     held_out = {
         tuple(row.tolist())
-        for batch in runtime.trainer.evaluator._held_out()
+        for batch in runtime.trainer.evaluator.held_out_batches()
         for row in batch["input_ids"]
     }
     trained = {
@@ -165,6 +166,8 @@ def test_eval_cli_scores_a_checkpoint_like_the_run_did(tmp_path: Path) -> None:
     record = json.loads(done.stdout)
     assert record["loss"] == pytest.approx(final_eval["loss"], abs=1e-6)
     assert record["tokens"] == final_eval["tokens"]
+    # The synthetic stream has no end: the command takes the config's eval.batches.
+    assert record["windows"] == final_eval["windows"] == 4 and record["of_windows"] is None
     missing = subprocess.run(
         [*EVAL_CLI, str(tmp_path / "run.json"), "--checkpoint", str(tmp_path / "x/step_00000003")],
         capture_output=True,
@@ -195,7 +198,7 @@ def test_a_text_holdout_is_never_read_by_training(tmp_path: Path) -> None:
     assert "last 10% held out" in runtime.data.description
     held_out = {
         tuple(row.tolist())
-        for batch in runtime.trainer.evaluator._held_out()
+        for batch in runtime.trainer.evaluator.held_out_batches()
         for row in batch["input_ids"]
     }
     blocks = (20_000 - 1) // 16
@@ -225,9 +228,131 @@ def test_finite_eval_data_is_read_once_not_wrapped_around(
     config = run_config(tmp_path, data={"text_path": str(text)}, eval=eval_section)
     runtime = build_runtime(config, console=False)
     with caplog.at_level("WARNING", "speedtronic"):
-        batches = runtime.trainer.evaluator._held_out()
+        batches = runtime.trainer.evaluator.held_out_batches()
     rows = [tuple(row.tolist()) for batch in batches for row in batch["input_ids"]]
-    assert len(batches) == 2 and len(set(rows)) == len(rows) == 4  # no block counted twice
-    assert "only 2 of eval.batches=8 distinct micro-batches" in caplog.text
+    # Every block once (two micro-batches of 2 and one of 1), none counted twice.
+    assert [len(b["input_ids"]) for b in batches] == [2, 2, 1] and len(set(rows)) == 5
+    assert "has only 5 windows, fewer than eval.batches=8 micro-batches of 2" in caplog.text
     result = runtime.trainer.evaluator.evaluate(runtime.model, 0)
-    assert result.batches == 2 and result.tokens == 2 * 2 * 16
+    assert result.batches == 3 and result.tokens == 5 * 16
+    assert (result.windows, result.of_windows) == (5, 5)
+
+
+def test_spread_windows_are_distinct_even_and_the_same_every_time() -> None:
+    chosen = spread_windows(1000, 50, seed=3)
+    assert len(set(chosen.tolist())) == 50 and chosen.min() >= 0 and chosen.max() < 1000
+    assert set(np.diff(chosen).tolist()) == {20}  # a fixed stride
+    assert np.array_equal(chosen, spread_windows(1000, 50, seed=3))
+    assert not np.array_equal(chosen, spread_windows(1000, 50, seed=4))  # a seeded offset
+    uneven = spread_windows(1003, 7, seed=0)
+    assert len(set(uneven.tolist())) == 7 and set(np.diff(uneven).tolist()) <= {143, 144}
+    assert spread_windows(5, 8).tolist() == [0, 1, 2, 3, 4]  # more asked than there are
+
+
+class Unigram(torch.nn.Module):
+    """Scores each next byte by its frequency in a text: real text costs ~3 nats a byte,
+    random bytes far more, so where the scored windows lie shows in the loss."""
+
+    def __init__(self, text: bytes) -> None:
+        super().__init__()
+        counts = torch.bincount(torch.tensor(list(text)), minlength=256).double() + 0.01
+        self.register_buffer("log_p", (counts / counts.sum()).log())
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return -self.log_p[labels].mean()
+
+
+def real_text() -> bytes:
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    return b"\n".join(p.read_bytes() for p in sorted(docs.glob("*.md")))
+
+
+def test_a_few_spread_batches_score_like_the_whole_held_out_split(tmp_path: Path) -> None:
+    text = real_text()
+    windows = 1600  # of seq 16: the first quarter random bytes, the rest real text
+    random_part = bytes(random.Random(11).randrange(256) for _ in range(windows // 4 * 16))
+    held_out = random_part + text[: windows * 16 + 1 - len(random_part)]
+    assert len(held_out) == windows * 16 + 1
+    (tmp_path / "eval.txt").write_bytes(held_out)
+    (tmp_path / "train.txt").write_bytes(text[-20_000:])
+    model = Unigram(text)
+
+    def score(batches: Any) -> EvalResult:
+        config = run_config(
+            tmp_path,
+            data={"text_path": str(tmp_path / "train.txt")},
+            eval={
+                "text_path": str(tmp_path / "eval.txt"),
+                "micro_batch_size": 16,
+                "batches": batches,
+            },
+        )
+        evaluator = build_runtime(config, console=False).trainer.evaluator
+        return evaluator.evaluate(model, 0)
+
+    everything = score("all")
+    sampled = score(5)  # 80 windows: 5% of the split
+    assert (everything.windows, everything.of_windows) == (1600, 1600)
+    assert (sampled.windows, sampled.of_windows) == (80, 1600)
+    assert sampled.tokens == 80 * 16 and everything.tokens == 1600 * 16
+    assert abs(sampled.loss - everything.loss) < 0.3
+    # A prefix of the split would have scored random bytes only: far off.
+    prefix = -model.log_p[torch.tensor(list(held_out[1 : 80 * 16 + 1]))].mean().item()
+    assert prefix - everything.loss > 2
+
+
+def test_eval_events_say_how_many_of_how_many_windows(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    text = tmp_path / "corpus.txt"
+    text.write_bytes(real_text()[: 16 * 400 + 1])  # 400 blocks, the last 40 held out
+    config = run_config(
+        tmp_path,
+        run={"max_steps": 4},
+        data={"text_path": str(text)},
+        eval={"holdout_fraction": 0.1, "batches": 3, "every": 2},
+    )
+    with caplog.at_level("INFO", "speedtronic"):
+        _, events, _ = train(config)
+    assert "eval: 6 of 40 windows (3 micro-batches of 2, spread over the split)" in caplog.text
+    payloads = events.named("eval")
+    assert [p["step"] for p in payloads] == [2, 4]
+    assert all((p["windows"], p["of_windows"], p["tokens"]) == (6, 40, 6 * 16) for p in payloads)
+    everything = merge_sections(copy.deepcopy(config), {"eval": {"batches": "all"}})
+    _, events, _ = train(merge_sections(everything, {"run": {"output_dir": str(tmp_path / "all")}}))
+    assert events.named("eval")[-1]["windows"] == events.named("eval")[-1]["of_windows"] == 40
+
+
+def test_all_windows_of_an_endless_stream_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^eval\.batches: 'all' needs held-out data of a known"):
+        build_runtime(run_config(tmp_path, eval={"batches": "all", "every": 2}), console=False)
+    with pytest.raises(ConfigError, match=r"^eval\.batches: .*'all'"):
+        SpeedtronicConfig.from_dict({"eval": {"batches": "most"}})
+
+
+def test_eval_command_scores_every_window_unless_told_a_number(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from speedtronic import cli
+
+    text = tmp_path / "corpus.txt"
+    text.write_bytes(real_text()[: 16 * 300 + 1])  # 300 blocks, the last 30 held out
+    config = run_config(
+        tmp_path,
+        run={"max_steps": 4},
+        data={"text_path": str(text)},
+        eval={"holdout_fraction": 0.1, "batches": 2},
+    )
+    _, events, _ = train(config)
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(config))
+    capsys.readouterr()
+    assert cli.main(["eval", "--config", str(path), "--format", "json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert (record["windows"], record["of_windows"], record["tokens"]) == (30, 30, 30 * 16)
+    assert cli.main(["eval", "--config", str(path), "--batches", "2", "--format", "json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert (record["windows"], record["of_windows"]) == (4, 30)
+    assert record["loss"] == pytest.approx(events.named("eval")[-1]["loss"], abs=1e-6)
+    assert cli.main(["eval", "--config", str(path), "--batches", "2"]) == 0
+    assert "4 of 30" in capsys.readouterr().out

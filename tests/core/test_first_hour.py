@@ -178,3 +178,100 @@ def test_a_failed_run_still_reports_its_last_loss(tmp_path: Path) -> None:
     finally:
         plugins.unregister(name)
     assert summaries[0]["status"].startswith("error") and summaries[0]["final_loss"] is not None
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "meant"),
+    [
+        ("optimizer", "learning_rate", "lr"),
+        ("optimizer", "wd", "weight_decay"),
+        ("data", "batch_size", "micro_batch_size"),
+        ("run", "max_iters", "max_steps"),
+        ("scheduler", "warmup", "warmup_steps"),
+        ("eval", "interval", "every"),
+        ("checkpoint", "intervall", "interval"),
+    ],
+)
+def test_an_unknown_key_in_any_section_gets_a_suggestion(
+    section: str, key: str, meant: str
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        SpeedtronicConfig.from_dict({section: {key: 1}})
+    assert str(caught.value) == f"{section}.{key}: unknown key; did you mean {meant!r}?"
+
+
+def test_model_parameters_use_the_same_suggestions(tmp_path: Path) -> None:
+    from speedtronic.runtime import check_runtime
+
+    run = {"device": "cpu", "output_dir": str(tmp_path)}
+    with pytest.raises(ConfigError, match=r"^model\.n_layers: unknown key; did you mean 'n_layer'"):
+        check_runtime({"run": run, "model": {"n_layers": 2}})
+    # A model factory of your own: its signature is checked with the same suggestions.
+    bigram = {"name": "core.toy_runs:Bigram", "vocab": 16, "max_seq_len": 8}
+    with pytest.raises(ConfigError, match=r"no parameter 'vocab'; did you mean 'vocab_size'"):
+        check_runtime({"run": run, "model": bigram})
+
+
+def test_a_missing_section_names_the_extra_it_needs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setitem(plugins.KNOWN_PROVIDERS, "quantum_tb", "speedtronic-quantum")
+    monkeypatch.setitem(plugins.PROVIDED_EXTRAS, "quantum_tb", "tb")
+    monkeypatch.chdir(tmp_path)  # outside any checkout: by name, with the extra
+    hint = plugins.missing_provider_hint("quantum_tb")
+    assert hint == " (provided by speedtronic-quantum: pip install 'speedtronic-quantum[tb]')"
+
+
+def test_install_hints_follow_the_checkout_the_user_is_in(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Core installed from a checkout without -e runs from site-packages: the checkout to
+    point at is the one the working directory is in."""
+    for name in ("speedtronic-core", "speedtronic-logging"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "pyproject.toml").write_text(f'[project]\nname = "{name}"\n')
+    (tmp_path / "docs").mkdir()
+    monkeypatch.chdir(tmp_path)
+    hint = plugins.install_command("speedtronic-logging", "tensorboard")
+    assert hint.startswith("pip install './speedtronic-logging[tensorboard]' (this source checkout")
+    assert "pip install 'speedtronic-logging[tensorboard]' once published" in hint
+    monkeypatch.chdir(tmp_path / "docs")  # below the checkout's root: the absolute path
+    hint = plugins.install_command("speedtronic-logging", "tensorboard")
+    assert hint.startswith(f"pip install '{tmp_path}/speedtronic-logging[tensorboard]'")
+
+
+@pytest.mark.slow
+def test_ctrl_c_names_the_checkpoint_to_resume_from(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        json.dumps(
+            {
+                "run": {"device": "cpu", "max_steps": 100000, "output_dir": str(tmp_path)},
+                "model": {"name": "core.toy_runs:Bigram", "vocab_size": 16, "max_seq_len": 8},
+                "checkpoint": {"interval": 2, "keep_last": 1},
+                "logging": {"progress": False},
+            }
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), *sys.path])}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "speedtronic", "train", "--config", str(config)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    checkpoints = tmp_path / "checkpoints"
+    deadline = time.monotonic() + 600
+    while not (checkpoints / "latest.json").exists():  # a bounded poll, not a sleep
+        assert process.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=600)
+    assert process.returncode == 130
+    line = stderr.strip().splitlines()[-1]
+    assert line.startswith(f"interrupted; the newest checkpoint is {checkpoints}/step_"), line
+    assert line.endswith("continue from it with the same command and --resume")

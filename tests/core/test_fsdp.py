@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from toy_runs import tiny_transformer_run, train
+from toy_runs import EventRecorder, tiny_transformer_run, train
 
 from speedtronic import ConfigError, SpeedtronicConfig
 from speedtronic.checkpoint import CheckpointManager
@@ -66,6 +67,7 @@ def test_bad_fsdp_values_name_their_field(fsdp: dict[str, object], field: str) -
     [
         ({"ooo_backprop": {"enabled": True}}, "ooo_backprop.enabled"),
         ({"optimizer": {"name": "muon"}}, "optimizer.name"),
+        ({"checkpoint": {"async_save": True}}, "checkpoint.async_save"),
     ],
 )
 def test_combinations_fsdp_cannot_train_are_refused(
@@ -179,6 +181,69 @@ def test_fsdp_on_one_process_writes_dcp_checkpoints_any_run_resumes(tmp_path: Pa
     assert recorder.named("resumed")[0]["step"] == 4
     for step in range(5, 9):
         assert recorder.losses[step] == pytest.approx(expected[step], rel=1e-5)
+
+
+class ScriptedEvaluator:
+    """Eval losses from a list, one per evaluation (which step is best is up to the test)."""
+
+    description = "scripted"
+
+    def __init__(self, losses: list[float]) -> None:
+        self.losses = list(losses)
+
+    def evaluate(self, model: Any, step: int) -> Any:
+        from speedtronic.eval import EvalResult
+
+        return EvalResult(step, self.losses.pop(0), 1.0, 1, 1, 0.0)
+
+
+def test_sharded_saves_keep_the_managers_policy_retention_best_and_lock(tmp_path: Path) -> None:
+    from speedtronic.checkpoint.dcp import ShardedWriter, is_sharded_checkpoint
+    from speedtronic.checkpoint.runlock import LOCK_NAME
+    from speedtronic.data import build_dataloader
+    from speedtronic.parts import build_parts
+    from speedtronic.registry import build_model_from_hook
+    from speedtronic.trainer import Trainer
+
+    settings = tiny_transformer_run(
+        tmp_path,
+        run={"max_steps": 50},
+        parallel={"strategy": "fsdp"},
+        eval={"every": 2, "at_end": False},
+        checkpoint={"interval": 2, "keep_last": 1, "keep_best": True},
+    )
+    cfg = SpeedtronicConfig.from_dict(settings)
+    model = build_model_from_hook(cfg.model.name, **cfg.model.params)
+    recorder = EventRecorder()
+    trainers: list[Trainer] = []
+
+    def stop_at_ten(event: str, payload: dict[str, Any]) -> None:
+        if event == "step" and payload["step"] == 10:
+            trainers[0].request_stop()
+
+    from speedtronic.metrics import MetricLogger
+
+    parts = build_parts(
+        cfg,
+        model,
+        build_dataloader(cfg, seq_len=model.max_seq_len, vocab_size=model.vocab_size),
+        metric_logger=MetricLogger([recorder, stop_at_ten]),
+        evaluator=ScriptedEvaluator([3.0, 2.0, 2.5, 2.7, 2.9]),  # best at step 4
+    )
+    trainer = Trainer.from_parts(parts)
+    trainers.append(trainer)
+    assert isinstance(trainer.checkpoints.sharded_writer, ShardedWriter)
+    result = trainer.fit()
+    assert result.stopped and result.steps == 10
+    directory = tmp_path / "checkpoints"
+    assert [p["step"] for p in recorder.named("checkpoint")] == [2, 4, 6, 8, 10]
+    names = sorted(p.name for p in directory.iterdir() if p.name.startswith("step_"))
+    assert names == ["step_00000004", "step_00000010"]  # the best survives keep_last=1
+    assert all(is_sharded_checkpoint(directory / name) for name in names)
+    assert json.loads((directory / "best.json").read_text())["checkpoint"] == "step_00000004"
+    assert json.loads((directory / "latest.json").read_text())["step"] == 10
+    assert CheckpointManager(directory).load("best").step == 4
+    assert not (directory / LOCK_NAME).exists()  # released at the end
 
 
 def test_a_tampered_shard_file_fails_verification(

@@ -160,9 +160,9 @@ def test_run_threads_sets_torch_threads_for_the_process(tmp_path):
     try:
         build_runtime(config, console=False)
         assert torch.get_num_threads() == 2
-        config["run"].pop("threads")
+        config["run"]["threads"] = None
         build_runtime(config, console=False)
-        assert torch.get_num_threads() == 2  # unset: left as the process has it
+        assert torch.get_num_threads() == 2  # null: left as the process has it
     finally:
         torch.set_num_threads(before)
     for bad in (0, -1, True, 1.5):

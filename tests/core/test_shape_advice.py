@@ -10,7 +10,7 @@ import pytest
 from torch import nn
 
 from speedtronic.runtime import build_runtime
-from speedtronic.shape_advice import padded, shape_advice
+from speedtronic.shape_advice import padded, shape_advice, warn_shape_advice
 from speedtronic_models import ReferenceTransformer
 
 
@@ -36,18 +36,26 @@ def advice_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     ]
 
 
-def test_d_model_100_warns_once_with_the_padded_size(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_d_model_100_warns_once_with_the_padded_size(caplog: pytest.LogCaptureFixture) -> None:
+    model = ReferenceTransformer(vocab_size=256, max_seq_len=16, n_layer=1, n_head=2, d_model=100)
     with caplog.at_level(logging.WARNING, logger="speedtronic"):
-        runtime = build_runtime(config(tmp_path, 100), console=False)
-    runtime.metrics.close()
+        warn_shape_advice(model, {"d_model": 100}, device="cuda")
     (message,) = advice_warnings(caplog)  # one warning listing everything
     assert "model.d_model = 100 -> 128" in message
     # The fused QKV projection: (2 + 2 * 2 heads) * 50 channels = 300, not a multiple of 64.
     assert "300 (blocks.0.attn.qkv.out_features) -> 320" in message
-    assert runtime.model.config.d_model == 100  # advisory only
-    assert runtime.model.tok_emb.weight.shape == (256, 100)
+    assert model.config.d_model == 100  # advisory only
+    assert model.tok_emb.weight.shape == (256, 100)
+
+
+def test_a_cpu_run_keeps_the_gpu_advice_to_debug(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Tensor-core tiling is GPU advice: a CPU run of the same d_model 100 stays quiet."""
+    with caplog.at_level(logging.WARNING, logger="speedtronic"):
+        runtime = build_runtime(config(tmp_path, 100), console=False)
+    runtime.metrics.close()
+    assert advice_warnings(caplog) == []
 
 
 def test_d_model_128_is_quiet(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -89,12 +89,14 @@ def test_tuple_batches_are_passed_as_inputs_and_labels(tmp_path):
 
     class Positional(Bigram):
         def forward(self, inputs, labels):  # positional names differ from the dict keys
-            seen.append((inputs.shape, labels.shape))
+            if self is model:  # not the FLOP count's shadow copy at train start
+                seen.append((inputs.shape, labels.shape))
             return self.loss(inputs, labels)
 
     inputs = torch.randint(0, VOCAB, (2, SEQ))
     batches = [(inputs, (inputs + 1) % VOCAB)] * 3
-    result = make_trainer(Positional(), make_config(tmp_path), data=batches).fit()
+    model = Positional()
+    result = make_trainer(model, make_config(tmp_path), data=batches).fit()
     assert result.steps == 4  # a list is re-iterated once it runs out
     assert seen == [(torch.Size([2, SEQ]), torch.Size([2, SEQ]))] * 4
 
@@ -410,7 +412,8 @@ def test_no_host_sync_per_micro_batch(tmp_path, monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, counting(name))
     config = make_config(
         tmp_path,
-        run={"max_steps": 8},
+        # max_nan_steps large here: its count is read every max_nan_steps // 2 steps (below).
+        run={"max_steps": 8, "max_nan_steps": 1000},
         logging={"log_every": 4},
         data={"micro_batch_size": 2, "target_batch_size": 8},
     )
@@ -418,6 +421,16 @@ def test_no_host_sync_per_micro_batch(tmp_path, monkeypatch):
     trainer.fit()
     # 8 steps x 4 micro-batches, two log events: one loss read and one grad-norm read each.
     assert sorted(reads) == ["item"] * 4
+    reads.clear()
+    config = make_config(
+        tmp_path / "nan",
+        run={"max_steps": 8, "max_nan_steps": 8},
+        logging={"log_every": 4},
+        data={"micro_batch_size": 2, "target_batch_size": 8},
+    )
+    make_trainer(Bigram(), config).fit()
+    # ... plus one read of the non-finite-step count every 8 // 2 = 4 steps.
+    assert sorted(reads) == ["item"] * 6
 
 
 # ------------------------------------------------------------------ data and result

@@ -1,5 +1,6 @@
 """Test doubles for DumbDiLoCo: an in-memory transport with injectable failures and stalls,
-tiny models, and helpers to drive a coordinator by hand."""
+tiny models, helpers to drive a coordinator by hand, and the one master factory
+(:func:`make_master`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import torch
 from torch import nn
 
 from speedtronic.checkpoint.fileio import atomic_write_bytes
+from speedtronic_diloco.aggregation import AggregationRules
 from speedtronic_diloco.config import DistributedConfig
+from speedtronic_diloco.master.loop import MasterOuterLoop
 from speedtronic_diloco.transports import (
     GLOBAL_WEIGHTS,
     DeltaInfo,
@@ -195,3 +198,35 @@ def wait_for(predicate: Callable[[], bool], timeout: float = SETTLE, what: str =
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what or predicate}")
         time.sleep(0.01)
+
+
+def make_master(
+    store: Transport,
+    tmp_path: Path,
+    *,
+    lr: float = 0.7,
+    momentum: float = 0.0,
+    events: list[Any] | None = None,
+    start: dict[str, torch.Tensor] | None = None,
+    state_dir: Path | None = None,
+    cache_dir: Path | None = None,
+    rules: dict[str, Any] | None = None,
+    **options: Any,
+) -> MasterOuterLoop:
+    """The master ``m`` over ``store``: state in ``tmp_path/state`` and cache in
+    ``tmp_path/cache`` unless given, metric events appended to ``events``, round ``rules``
+    (AggregationRules fields); bootstrapped from ``start`` when it loaded no state."""
+    loop = MasterOuterLoop(
+        store,
+        node_id="m",
+        state_dir=state_dir or tmp_path / "state",
+        cache_dir=cache_dir or tmp_path / "cache",
+        outer_lr=lr,
+        outer_momentum=momentum,
+        emit=(lambda e, p: events.append((e, p))) if events is not None else None,
+        rules=AggregationRules(**(rules or {})),
+        **options,
+    )
+    if start is not None and loop.global_state is None:
+        loop.bootstrap(start)
+    return loop

@@ -12,14 +12,14 @@ from typing import Any
 
 import pytest
 import torch
-from diloco_fakes import MemoryTransport, dist_config, make_net, nudge
+from diloco_fakes import MemoryTransport, dist_config, make_master, make_net, nudge
 from safetensors.torch import load as load_bytes
 
-from speedtronic_diloco.aggregation import AggregationRules
 from speedtronic_diloco.codecs import CodecSpec, decode_delta, encode_delta
 from speedtronic_diloco.coordinator import DumbDiLoCoCoordinator
 from speedtronic_diloco.fragments import FragmentLayout, fragment_metadata
-from speedtronic_diloco.outer import MasterOuterLoop, nesterov_step
+from speedtronic_diloco.master.loop import MasterOuterLoop
+from speedtronic_diloco.master.round import nesterov_step
 from speedtronic_diloco.signing import sign_file
 from speedtronic_diloco.tensors import cpu_state_dict, load_tensors, save_tensors
 from speedtronic_diloco.transports import GLOBAL_WEIGHTS, TransientTransportError, delta_path
@@ -64,19 +64,9 @@ def make_loop(
     momentum: float = 0.0,
     **rules: Any,
 ) -> MasterOuterLoop:
-    loop = MasterOuterLoop(
-        store,
-        node_id="m",
-        state_dir=tmp_path / "state",
-        cache_dir=tmp_path / "cache",
-        outer_lr=lr,
-        outer_momentum=momentum,
-        emit=(lambda e, p: events.append((e, p))) if events is not None else None,
-        rules=AggregationRules(**rules),
+    return make_master(
+        store, tmp_path, lr=lr, momentum=momentum, events=events, rules=rules, start=weights()
     )
-    if loop.global_state is None:
-        loop.bootstrap(weights())
-    return loop
 
 
 # --------------------------------------------------------------------------- the master

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from diloco_runs import tiny_run
 
 from speedtronic import SpeedtronicConfig, cli
 from speedtronic.errors import TransportError
@@ -17,33 +18,27 @@ from speedtronic_diloco.global_weights import read_global_state
 from speedtronic_diloco.tensors import load_tensors
 from speedtronic_diloco.transports import open_transport
 
-MODEL = {
-    "name": "reference_transformer",
-    "vocab_size": 64,
-    "max_seq_len": 16,
-    "n_layer": 1,
-    "n_head": 2,
-    "d_model": 32,
-}
+MODEL = {"vocab_size": 64, "d_model": 32, "n_kv_head": None}  # of the tiny run's
 
 
 def master_config(tmp_path: Path, **distributed: Any) -> dict[str, Any]:
-    return {
-        "run": {"device": "cpu", "max_steps": 6, "output_dir": str(tmp_path / "master")},
-        "model": dict(MODEL),
-        "data": {"micro_batch_size": 2},
-        "checkpoint": {"save_final": False},
-        "eval": {"batches": 2},
-        "logging": {"progress": False},
-        "distributed": {
-            "enabled": True,
-            "role": "master",
+    return tiny_run(
+        tmp_path,
+        run={"name": None, "seed": None, "max_steps": 6, "output_dir": str(tmp_path / "master")},
+        model=MODEL,
+        data={"micro_batch_size": 2},
+        precision=None,
+        checkpoint={"save_final": False},
+        eval={"batches": 2},
+        distributed={
             "node_id": "master",
             "repo_id": f"file://{tmp_path / 'store'}",
             "inner_steps": 3,
+            "poll_interval": None,
+            "max_retries": None,
             **distributed,
         },
-    }
+    )
 
 
 def test_the_global_weights_are_read_exactly_and_scored_by_eval(

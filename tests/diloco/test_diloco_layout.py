@@ -1,6 +1,6 @@
-"""The rooms of speedtronic_diloco: no import cycle between its modules, the former import
-paths, and the shared helpers (the retry helper, the verified download, the global cache,
-the one default state directory)."""
+"""The rooms of speedtronic_diloco: no import cycle between its modules, no former import
+path, no room too big, and the shared helpers (the retry helper, the verified download, the
+global cache, the one default state directory)."""
 
 from __future__ import annotations
 
@@ -73,31 +73,33 @@ def test_no_import_cycles_between_modules() -> None:
 
 
 @pytest.mark.parametrize(
-    ("former", "current", "names"),
-    [
-        (
-            "speedtronic_diloco.transport",
-            "speedtronic_diloco.transports",
-            ["Transport", "GlobalMetadata", "DeltaInfo", "open_transport", "IntegrityError"],
-        ),
-        (
-            "speedtronic_diloco.shared_dir",
-            "speedtronic_diloco.transports.shared_dir",
-            ["SharedDirectoryTransport", "shared_dir_root", "KEEP_VERSIONS"],
-        ),
-        (
-            "speedtronic_diloco.hub",
-            "speedtronic_diloco.transports.hub",
-            ["HubTransport", "PublishConflictError", "resolve_endpoint", "DEFAULT_ENDPOINT"],
-        ),
-    ],
+    "former",
+    ["speedtronic_diloco.transport", "speedtronic_diloco.shared_dir", "speedtronic_diloco.hub"],
 )
-def test_former_import_paths_name_the_same_objects(
-    former: str, current: str, names: list[str]
-) -> None:
-    old, new = importlib.import_module(former), importlib.import_module(current)
-    for name in names:
-        assert getattr(old, name) is getattr(new, name)
+def test_former_import_paths_are_gone(former: str) -> None:
+    # One import path per thing: the transports live in speedtronic_diloco.transports only.
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(former)
+
+
+MAX_FILE_LINES = 650
+MAX_CLASS_LINES = 400
+
+
+def test_no_room_is_too_big() -> None:
+    """Every source file of the package has at most 650 lines and every class at most 400."""
+    too_big = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        lines = text.count("\n")
+        if lines > MAX_FILE_LINES:
+            too_big.append(f"{path.relative_to(PACKAGE)}: {lines} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                size = (node.end_lineno or node.lineno) - node.lineno + 1
+                if size > MAX_CLASS_LINES:
+                    too_big.append(f"{path.relative_to(PACKAGE)}: class {node.name}, {size} lines")
+    assert not too_big, too_big
 
 
 # --------------------------------------------------------------------------- retry helper

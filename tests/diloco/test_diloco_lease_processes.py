@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import yaml
+from diloco_runs import tiny_run
 from hub_emulator import HubEmulator
 
 from speedtronic_diloco.transports import GLOBAL_METADATA, GlobalMetadata, Lease
@@ -86,18 +87,17 @@ def store(
 
 
 def config_file(tmp_path: Path, store: Store) -> Path:
-    config = {
-        "run": {"name": "lease", "seed": 0, "device": "cpu", "max_steps": 1_000_000},
-        "model": MODEL,
-        "data": {"micro_batch_size": 2},
-        "optimizer": {"lr": 1e-3},
-        "scheduler": {"name": "constant"},
-        "precision": {"mode": "fp32"},
-        "checkpoint": {"interval": 0},
-        "logging": {"log_every": 1000, "progress": False},
-        "distributed": {
-            "enabled": True,
-            "role": "master",
+    config = tiny_run(
+        tmp_path,
+        run={"name": "lease", "max_steps": 1_000_000, "output_dir": None},
+        model=MODEL,
+        data={"micro_batch_size": 2},
+        optimizer={"lr": 1e-3},
+        scheduler={"name": "constant"},
+        checkpoint={"interval": 0},
+        logging={"log_every": 1000},
+        distributed={
+            "node_id": None,
             "repo_id": store.repo_id,
             "inner_steps": 5,
             "poll_interval": 0.2,
@@ -107,7 +107,7 @@ def config_file(tmp_path: Path, store: Store) -> Path:
             "max_retries": 2,
             "request_timeout": 10.0,
         },
-    }
+    )
     path = tmp_path / "master.yaml"
     path.write_text(yaml.safe_dump(config))
     return path

@@ -10,11 +10,20 @@ from typing import Any
 
 import pytest
 import torch
-from diloco_fakes import SETTLE, MemoryTransport, dist_config, make_net, nudge, wait_for
+from diloco_fakes import (
+    SETTLE,
+    MemoryTransport,
+    dist_config,
+    make_master,
+    make_net,
+    nudge,
+    wait_for,
+)
 from safetensors import safe_open
 
 from speedtronic_diloco.coordinator import DumbDiLoCoCoordinator
-from speedtronic_diloco.outer import MasterOuterLoop, nesterov_step
+from speedtronic_diloco.master.loop import MasterOuterLoop
+from speedtronic_diloco.master.round import nesterov_step
 from speedtronic_diloco.startup import StartupChoice, select_startup_state
 from speedtronic_diloco.tensors import cpu_state_dict, save_tensors
 from speedtronic_diloco.transports import (
@@ -31,16 +40,7 @@ def make_loop(
     momentum: float = 0.9,
     events: list | None = None,
 ) -> MasterOuterLoop:
-    emit = (lambda e, p: events.append((e, p))) if events is not None else None
-    return MasterOuterLoop(
-        store,
-        node_id="m",
-        state_dir=tmp_path / "state",
-        cache_dir=tmp_path / "cache",
-        outer_lr=lr,
-        outer_momentum=momentum,
-        emit=emit,
-    )
+    return make_master(store, tmp_path, lr=lr, momentum=momentum, events=events, rules=None)
 
 
 def upload(
@@ -251,14 +251,7 @@ def master(
 
 def persisted_loop(store: MemoryTransport, tmp_path: Path, rounds: int) -> MasterOuterLoop:
     """A master state directory (``state/m``) that went through ``rounds`` outer steps."""
-    loop = MasterOuterLoop(
-        store,
-        node_id="m",
-        state_dir=tmp_path / "state" / "m",
-        cache_dir=tmp_path / "cache",
-        outer_lr=0.7,
-        outer_momentum=0.9,
-    )
+    loop = make_master(store, tmp_path, momentum=0.9, state_dir=tmp_path / "state" / "m")
     loop.bootstrap(weights())
     for r in range(rounds):
         upload(store, tmp_path, "w", 10 * (r + 1), random_delta(r))

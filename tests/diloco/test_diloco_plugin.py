@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from diloco_fakes import SETTLE, wait_for
+from diloco_runs import tiny_run
 
 import speedtronic
 from speedtronic import hookimpl, plugins
@@ -96,39 +97,12 @@ def recorder() -> Iterator[RunRecorder]:
 
 
 def config_dict(tmp_path: Path, **distributed: Any) -> dict[str, Any]:
-    section = {
-        "enabled": True,
-        "role": "master",
-        "node_id": "m",
-        "repo_id": f"file://{tmp_path}/store",
-        "inner_steps": 4,
-        "poll_interval": 0.05,
-        "max_retries": 0,
-    }
-    section.update(distributed)
-    return {
-        "run": {
-            "name": "t",
-            "max_steps": 12,
-            "device": "cpu",
-            "seed": 0,
-            "output_dir": str(tmp_path / "run"),
-        },
-        "model": {
-            "name": "reference_transformer",
-            "vocab_size": 32,
-            "max_seq_len": 16,
-            "n_layer": 1,
-            "n_head": 2,
-            "n_kv_head": 1,
-            "d_model": 16,
-        },
-        "data": {"micro_batch_size": 4},
-        "precision": {"mode": "fp32"},
-        "logging": {"log_every": 4, "progress": False},
-        "checkpoint": {"interval": 6},
-        "distributed": section,
-    }
+    return tiny_run(
+        tmp_path,
+        logging={"log_every": 4},
+        checkpoint={"interval": 6},
+        distributed=distributed,
+    )
 
 
 def test_public_names_resolve_through_core() -> None:
@@ -142,7 +116,7 @@ def test_public_names_resolve_through_core() -> None:
 
     assert seed_era_config is DistributedConfig
     assert seed_era_coordinator is DumbDiLoCoCoordinator is seed_era_alias
-    assert MasterOuterLoop.__module__ == "speedtronic_diloco.outer"
+    assert MasterOuterLoop.__module__ == "speedtronic_diloco.master.loop"
     assert SyncResult(pushed=True, loaded_global=False, outer_step=3).outer_step == 3
     (row,) = [p for p in list_plugins() if p.name == "diloco"]
     assert {"config_sections", "after_optimizer_step", "on_checkpoint", "data_seed"} <= set(
@@ -195,6 +169,34 @@ def test_each_node_draws_its_own_data(tmp_path: Path) -> None:
     assert not torch.equal(batches[0], batches[1])
 
 
+def test_node_split_none_gives_every_node_the_same_stream_and_ranks_split(
+    tmp_path: Path,
+) -> None:
+    hooks = get_plugin_manager().hook
+
+    def loaded(node_split: str, **distributed: Any) -> SpeedtronicConfig:
+        raw = config_dict(tmp_path, **distributed)
+        raw["data"]["node_split"] = node_split
+        return SpeedtronicConfig.from_dict(raw)
+
+    assert hooks.data_seed(config=loaded("none", node_id="a"), seed=0) is None
+    ranked = {"node_id": "a", "num_nodes": 3, "node_rank": 2}
+    assert hooks.data_rank(config=loaded("auto", **ranked)) == (2, 3)
+    assert hooks.data_seed(config=loaded("auto", **ranked), seed=0) is None  # ranks split
+    assert hooks.data_rank(config=loaded("none", **ranked)) is None
+    with pytest.raises(ConfigError, match=r"data\.node_split"):
+        loaded("sometimes")
+    splits = {}
+    for node_split in ("auto", "none"):
+        runtime = build_runtime(
+            {**config_dict(tmp_path, node_id="a"), "data": {"node_split": node_split}},
+            console=False,
+        )
+        splits[node_split] = runtime.data.split
+        runtime.metrics.close()
+    assert splits["auto"].startswith("own order") and splits["none"] == "not split"
+
+
 def test_master_training_run_through_hooks(tmp_path: Path, recorder: RunRecorder) -> None:
     events: list[tuple[str, dict[str, Any]]] = []
     runtime = build_runtime(
@@ -230,6 +232,16 @@ def test_reset_inner_optimizer_switch(tmp_path: Path) -> None:
     runtime.trainer.fit()
     assert runtime.trainer.reset_optimizer_on_weight_replace is False
     assert runtime.trainer.optimizer.state  # never cleared
+
+
+def test_a_node_with_fsdp_is_refused_before_its_first_step(tmp_path: Path) -> None:
+    config = config_dict(tmp_path, role="worker", node_id="w")
+    config["parallel"] = {"strategy": "fsdp"}
+    runtime = build_runtime(config, console=False)
+    with pytest.raises(ConfigError, match=r"^parallel\.strategy: is fsdp, which a DiLoCo node"):
+        runtime.trainer.fit()
+    assert runtime.trainer.step == 0
+    assert not list(runtime.trainer.checkpoints.directory.glob("step_*"))
 
 
 def test_resume_hands_checkpoint_state_over_before_start(

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from diloco_fakes import MemoryTransport, make_net
+from diloco_fakes import MemoryTransport, make_master, make_net
 
 from speedtronic.cli import main as cli_main
 from speedtronic.errors import SpeedtronicError
@@ -27,7 +27,8 @@ from speedtronic_diloco.aggregation import (
     lower_median,
     screen_round,
 )
-from speedtronic_diloco.outer import MasterOuterLoop, history_steps, roll_back
+from speedtronic_diloco.master.history import history_steps, roll_back
+from speedtronic_diloco.master.loop import MasterOuterLoop
 from speedtronic_diloco.signing import SignatureError, sign_file, verify_file
 from speedtronic_diloco.tensors import cpu_state_dict, load_tensors, save_tensors
 from speedtronic_diloco.transports import DeltaInfo, delta_path
@@ -78,19 +79,7 @@ def put(
 def make_loop(
     store: MemoryTransport, tmp_path: Path, events: list | None = None, **rules: Any
 ) -> MasterOuterLoop:
-    loop = MasterOuterLoop(
-        store,
-        node_id="m",
-        state_dir=tmp_path / "state",
-        cache_dir=tmp_path / "cache",
-        outer_lr=0.7,
-        outer_momentum=0.0,
-        emit=(lambda e, p: events.append((e, p))) if events is not None else None,
-        rules=AggregationRules(**rules),
-    )
-    if loop.global_state is None:
-        loop.bootstrap(weights())
-    return loop
+    return make_master(store, tmp_path, events=events, rules=rules, start=weights())
 
 
 def checked(tmp_path: Path, node: str, step: int, delta: dict, base: int | None = 0) -> Any:
@@ -148,16 +137,7 @@ def test_round_policy_on_a_fake_clock() -> None:
 def test_outer_thread_tick_waits_for_quorum_then_times_out(tmp_path: Path) -> None:
     store = MemoryTransport()
     clock = FakeClock()
-    loop = MasterOuterLoop(
-        store,
-        node_id="m",
-        state_dir=tmp_path / "state",
-        cache_dir=tmp_path / "cache",
-        outer_lr=0.7,
-        outer_momentum=0.0,
-        rules=AggregationRules(min_deltas=2, round_timeout=5.0),
-        clock=clock,
-    )
+    loop = make_master(store, tmp_path, rules={"min_deltas": 2, "round_timeout": 5.0}, clock=clock)
     loop.bootstrap(weights())
     put(store, tmp_path, "a", 5, delta_like(seed=1))
     assert loop.tick() is None  # one node of two: wait
@@ -329,25 +309,47 @@ def test_one_node_one_vote_per_round(tmp_path: Path) -> None:
     loop = make_loop(store, tmp_path)
     unit = delta_like(1.0)
     norm = math.sqrt(sum(float(v.pow(2).sum()) for v in unit.values()))
-    for step in range(1, 51):  # 50 deltas of one node, each unremarkable
+    for step in range(1, 51):  # 50 deltas of one node (a Sybil), each unremarkable
         put(store, tmp_path, "spam", step, unit)
     put(store, tmp_path, "honest", 1, delta_like(-1.0))
     start = loop.global_state
     result = loop.run_round()
     assert result.deltas_included == 51 and result.nodes == ("honest", "spam")
-    # Summed (as one cumulative upload would be) but capped at the outlier threshold: the 50
-    # deltas weigh what one delta of 4 x the median weighs, not 50 of them (nor 50:1 votes).
-    threshold = 4.0 * norm
-    expected_mean = (threshold / (50 * norm) * 50 - 1.0) / 2  # per coordinate, in units of 1.0
+    # Summed (as one cumulative upload would be), then capped at a typical delta's norm: the 50
+    # deltas weigh what the honest node's one delta weighs, so the opposite push cancels it and
+    # never reverses it (capped at the outlier threshold instead, it would: (4 - 1) / 2).
     for name in floating():
         update = start[name] - loop.global_state[name]  # lr 0.7, no momentum
-        torch.testing.assert_close(update, torch.full_like(update, 0.7 * expected_mean))
+        torch.testing.assert_close(update, torch.zeros_like(update), atol=1e-6, rtol=0)
     # Without the cap (outlier_policy: off) the sum would count in full.
     uncapped = make_loop(MemoryTransport(), tmp_path / "off", outlier_policy="off")
     contributions, _, _ = screen_round(
         [checked(tmp_path, "spam", s, unit) for s in range(1, 4)], 0, [], uncapped.rules
     )
     assert contributions[0].norm == pytest.approx(3 * norm) and contributions[0].scale == 1.0
+
+
+@pytest.mark.parametrize("history", [[], [50.0, 50.0, 50.0, 50.0]])
+@pytest.mark.parametrize("aggregation", ["mean", "median", "trimmed_mean"])
+def test_a_sybil_never_outweighs_an_honest_node(
+    tmp_path: Path, history: list[float], aggregation: str
+) -> None:
+    """However many deltas one node sends (each as large as the outlier rule allows), its part
+    of the round is no larger than the honest node's; history that remembers larger deltas
+    does not raise that cap."""
+    honest = checked(tmp_path, "honest", 1, delta_like(seed=1))
+    big = {k: -v * 3.9 for k, v in load_tensors(honest.path)[0].items()}  # just under 4 x
+    sybil = [checked(tmp_path, "sybil", step, big) for step in range(1, 51)]
+    rules = AggregationRules(aggregation=aggregation)
+    contributions, rejected, _ = screen_round([honest, *sybil], 0, history, rules)
+    assert not rejected
+    weight = {c.node_id: c.norm * c.scale for c in contributions}
+    assert weight["sybil"] <= weight["honest"] * (1 + 1e-9)
+    # The combined step still points the honest node's way, or is zero: never reversed.
+    combined = aggregate(contributions, weights(), aggregation)
+    honest_tensors = load_tensors(honest.path)[0]
+    dot = sum(float((combined[k] * honest_tensors[k].double()).sum()) for k in combined)
+    assert dot >= -1e-9
 
 
 def test_mean_streams_one_delta_file_at_a_time(

@@ -15,14 +15,21 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from diloco_fakes import SETTLE, MemoryTransport, dist_config, make_net, nudge, wait_for
+from diloco_fakes import (
+    SETTLE,
+    MemoryTransport,
+    dist_config,
+    make_master,
+    make_net,
+    nudge,
+    wait_for,
+)
+from diloco_runs import tiny_run
 from safetensors import safe_open
 
 from speedtronic.cli import main as cli_main
 from speedtronic.runtime import build_runtime
-from speedtronic_diloco.aggregation import AggregationRules
 from speedtronic_diloco.coordinator import DumbDiLoCoCoordinator
-from speedtronic_diloco.outer import MasterOuterLoop
 from speedtronic_diloco.signing import verify_file
 from speedtronic_diloco.tensors import cpu_state_dict
 from speedtronic_diloco.transports import PermanentTransportError, delta_path
@@ -342,14 +349,12 @@ def test_workers_refuse_unsigned_and_wrongly_signed_globals(
     for name, value in before.items():
         torch.testing.assert_close(model.state_dict()[name], value)
     # A master with the key publishes signed globals: those are installed.
-    loop = MasterOuterLoop(
+    loop = make_master(
         store,
-        node_id="m",
+        tmp_path,
         state_dir=tmp_path / "m",
         cache_dir=tmp_path / "mc",
-        outer_lr=0.7,
-        outer_momentum=0.0,
-        rules=AggregationRules(signing_key=KEY.encode()),
+        rules={"signing_key": KEY.encode()},
     )
     loop.bootstrap(params(make_net(seed=2)))
     loop.outer_step = 2
@@ -363,39 +368,14 @@ def test_workers_refuse_unsigned_and_wrongly_signed_globals(
 
 
 def run_config(tmp_path: Path, **distributed: Any) -> dict[str, Any]:
-    return {
-        "run": {
-            "name": "t",
-            "max_steps": 10,
-            "device": "cpu",
-            "seed": 0,
-            "output_dir": str(tmp_path / "run"),
-        },
-        "model": {
-            "name": "reference_transformer",
-            "vocab_size": 32,
-            "max_seq_len": 16,
-            "n_layer": 1,
-            "n_head": 2,
-            "n_kv_head": 1,
-            "d_model": 16,
-        },
-        "data": {"micro_batch_size": 4},
-        "precision": {"mode": "fp32"},
-        "logging": {"log_every": 5, "progress": False, "json_file": str(tmp_path / "m.jsonl")},
-        "checkpoint": {"interval": 5},
-        "eval": {"at_end": True, "batches": 2},
-        "distributed": {
-            "enabled": True,
-            "role": "master",
-            "node_id": "m",
-            "repo_id": f"file://{tmp_path}/store",
-            "inner_steps": 4,
-            "poll_interval": 0.05,
-            "max_retries": 0,
-            **distributed,
-        },
-    }
+    return tiny_run(
+        tmp_path,
+        run={"max_steps": 10},
+        logging={"log_every": 5, "json_file": str(tmp_path / "m.jsonl")},
+        checkpoint={"interval": 5},
+        eval={"at_end": True, "batches": 2},
+        distributed=distributed,
+    )
 
 
 def test_master_evaluates_each_global_it_publishes(tmp_path: Path) -> None:

@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from diloco_fakes import make_master
 from hub_emulator import HubEmulator
 
-from speedtronic_diloco.aggregation import AggregationRules
 from speedtronic_diloco.lease import LeaseKeeper
-from speedtronic_diloco.outer import MasterOuterLoop
 from speedtronic_diloco.plugin import diloco_subcommands
 from speedtronic_diloco.retry import RetryPolicy
 from speedtronic_diloco.tensors import cpu_state_dict, save_tensors
@@ -45,15 +44,7 @@ def seed_run(store: Transport, tmp_path: Path) -> None:
     store.create_store()
     keeper = LeaseKeeper(store, "m", ttl=600.0, retry=RetryPolicy(retries=0, backoff=0))
     keeper.acquire()
-    loop = MasterOuterLoop(
-        store,
-        node_id="m",
-        state_dir=tmp_path / "state",
-        cache_dir=tmp_path / "cache",
-        outer_lr=0.7,
-        outer_momentum=0.0,
-        rules=AggregationRules(outlier_policy="off", keep_history=0),
-    )
+    loop = make_master(store, tmp_path, rules={"outlier_policy": "off", "keep_history": 0})
     loop.lease = keeper
     loop.bootstrap(tiny())
     loop.publish()

@@ -19,16 +19,15 @@ from typing import Any
 
 import pytest
 import torch
-from diloco_fakes import SETTLE, dist_config, make_net, nudge, wait_for
+from diloco_fakes import SETTLE, dist_config, make_master, make_net, nudge, wait_for
 from hub_emulator import HubEmulator
 from hub_fixtures import REPO, hub_fixture, transport  # noqa: F401
 
 from speedtronic.errors import ConfigError
-from speedtronic_diloco.aggregation import AggregationRules
 from speedtronic_diloco.config import DistributedConfig
 from speedtronic_diloco.coordinator import DumbDiLoCoCoordinator
 from speedtronic_diloco.lease import LeaseHeldError
-from speedtronic_diloco.outer import MasterOuterLoop, OuterLoopStopped
+from speedtronic_diloco.master.loop import MasterOuterLoop, OuterLoopStopped
 from speedtronic_diloco.retry import RetryPolicy
 from speedtronic_diloco.startup import prepare_master
 from speedtronic_diloco.tensors import cpu_state_dict, load_tensors, save_tensors
@@ -61,18 +60,15 @@ def upload(store: Transport, tmp_path: Path, node: str, step: int, base: int = 0
 
 
 def make_loop(store: Transport, state: Path, **kwargs: Any) -> MasterOuterLoop:
-    loop = MasterOuterLoop(
+    return make_master(
         store,
-        node_id="m",
+        state,
         state_dir=state / "m",
         cache_dir=state / "m" / "cache",
-        outer_lr=0.7,
-        outer_momentum=0.0,
         retry=NO_WAIT,
-        rules=AggregationRules(outlier_policy="off", keep_history=0),
+        rules={"outlier_policy": "off", "keep_history": 0},
         **kwargs,
     )
-    return loop
 
 
 def shared(tmp_path: Path) -> SharedDirectoryTransport:

@@ -17,18 +17,17 @@ from typing import Any
 
 import pytest
 import torch
-from diloco_fakes import dist_config
+from diloco_fakes import dist_config, make_master
 from hub_emulator import HubEmulator
 from hub_fixtures import REPO, hub_fixture, transport  # noqa: F401
 from torch import nn
 
-from speedtronic_diloco.aggregation import AggregationRules
 from speedtronic_diloco.config import DistributedConfig
 from speedtronic_diloco.coordinator import DumbDiLoCoCoordinator
 from speedtronic_diloco.fragment_files import fragment_header
 from speedtronic_diloco.fragments import FragmentLayout, fragment_metadata
 from speedtronic_diloco.global_weights import read_global_state
-from speedtronic_diloco.outer import MasterOuterLoop, roll_back
+from speedtronic_diloco.master.history import roll_back
 from speedtronic_diloco.signing import sign_file
 from speedtronic_diloco.status import collect_status, summary_lines
 from speedtronic_diloco.tensors import cpu_state_dict, load_tensors, save_tensors
@@ -78,14 +77,13 @@ def model_bytes() -> int:
 
 
 def master_loop(store: Transport, tmp_path: Path, state: str = "state", **rules: Any) -> Any:
-    loop = MasterOuterLoop(
+    loop = make_master(
         store,
-        node_id="m",
+        tmp_path,
+        lr=1.0,
         state_dir=tmp_path / state,
         cache_dir=tmp_path / f"{state}-cache",
-        outer_lr=1.0,
-        outer_momentum=0.0,
-        rules=AggregationRules(outlier_policy="off", **rules),
+        rules={"outlier_policy": "off", **rules},
     )
     loop.set_fragments(LAYOUT)
     if loop.global_state is None:
@@ -208,14 +206,7 @@ def test_a_fragment_round_publishes_only_that_fragments_file(tmp_path: Path) -> 
 
 def test_k1_publication_is_todays_single_file(tmp_path: Path) -> None:
     store = shared(tmp_path)
-    loop = MasterOuterLoop(
-        store,
-        node_id="m",
-        state_dir=tmp_path / "state",
-        cache_dir=tmp_path / "cache",
-        outer_lr=1.0,
-        outer_momentum=0.0,
-    )
+    loop = make_master(store, tmp_path, lr=1.0)
     loop.set_fragments(FragmentLayout.build(weights(), 1))
     loop.bootstrap(weights())
     published = loop.publish()

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from speedtronic_diloco.fragments import (
+    FragmentBook,
     FragmentError,
     FragmentLayout,
     FragmentSchedule,
-    NodeFragments,
     balanced_partition,
     delta_fragments,
     fragment_metadata,
@@ -23,7 +23,7 @@ from speedtronic_diloco.fragments import (
     layer_of,
     step_fragments,
 )
-from speedtronic_diloco.outer import nesterov_step
+from speedtronic_diloco.master.round import nesterov_step
 
 
 def best_max(sizes: list[int], count: int) -> int:
@@ -204,7 +204,7 @@ def test_per_fragment_outer_steps_and_momentum_match_a_hand_computation() -> Non
 
 def test_node_installs_only_fragments_that_advanced() -> None:
     layout = FragmentLayout.build(model_state(), 2)
-    node = NodeFragments(layout, FragmentSchedule(10, 2))
+    node = FragmentBook(layout, FragmentSchedule(10, 2))
     fp = layout.fingerprint
     assert node.plan(((3, 2), fp), allowed=[1]) == (0, 1)  # the first global: everything
     node.mark((0, 1), ((3, 2), fp))
@@ -218,7 +218,7 @@ def test_node_installs_only_fragments_that_advanced() -> None:
     assert node.plan(((4, 3), "other")) == (0, 1)  # another layout: install everything
     assert node.plan(None) == (0, 1)
     saved = node.state_dict()
-    again = NodeFragments(layout, FragmentSchedule(10, 2))
+    again = FragmentBook(layout, FragmentSchedule(10, 2))
     again.load_state_dict(saved)
     assert again.installed == [3, 3]
     again.load_state_dict({**saved, "count": 3})

@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from diloco_fakes import dist_config, make_net, nudge
+from diloco_fakes import dist_config, make_master, make_net, nudge
 from hub_emulator import HubEmulator
 from hub_fixtures import REPO, TOKEN, hub_fixture, transport  # noqa: F401
 
 from speedtronic_diloco.coordinator import DumbDiLoCoCoordinator
-from speedtronic_diloco.outer import MasterOuterLoop
 from speedtronic_diloco.retry import RetryPolicy
 from speedtronic_diloco.tensors import cpu_state_dict, save_tensors
 from speedtronic_diloco.transports import GLOBAL_METADATA, GLOBAL_WEIGHTS, GlobalMetadata
@@ -76,15 +75,7 @@ def test_master_that_lost_the_race_warns_and_keeps_the_other_global(
     hub: HubEmulator, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     hub.add_repo(REPO, private=True)
-    loop = MasterOuterLoop(
-        transport(hub),
-        node_id="m",
-        state_dir=tmp_path / "state",
-        cache_dir=tmp_path / "cache",
-        outer_lr=0.7,
-        outer_momentum=0.0,
-        retry=RetryPolicy(retries=3, backoff=0.0),
-    )
+    loop = make_master(transport(hub), tmp_path, retry=RetryPolicy(retries=3, backoff=0.0))
     loop.bootstrap(cpu_state_dict(make_net(0).state_dict()))
     assert loop.publish() is not None
     state = make_net(0).state_dict()

@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from diloco_runs import tiny_run
 
 from speedtronic.data import SyntheticTokenStream
 from speedtronic_models import ReferenceTransformer
@@ -57,25 +58,27 @@ def write_config(
     Each keyword is a config section whose keys are added to (or replace) the defaults'
     (``model={"n_layer": 2}``, ``distributed={"min_deltas": 2}``); None drops a key, or the
     whole section (the run's own defaults then apply)."""
-    config: dict[str, dict[str, Any]] = {
-        "run": {"name": "diloco-e2e", "seed": 0, "device": "cpu", "max_steps": 1_000_000},
-        "model": {"name": "reference_transformer", **MODEL},
+    e2e: dict[str, Mapping[str, Any] | None] = {
+        "run": {"name": "diloco-e2e", "max_steps": 1_000_000, "output_dir": None},
+        "model": MODEL,
         "data": {"micro_batch_size": 8},
         "optimizer": {"lr": 3.0e-3, "weight_decay": 0.0},
         "scheduler": {"name": "constant"},
-        "precision": {"mode": "fp32"},
         "checkpoint": {"interval": 1000},
-        "logging": {"log_every": 10, "progress": False},
+        "logging": {"log_every": 10},
         "distributed": {
-            "enabled": True,
+            "role": None,
+            "node_id": None,
             "repo_id": f"file://{tmp_path / 'shared'}",
             "inner_steps": 5,
             "poll_interval": 0.2,
             "outer_lr": 0.7,
             "outer_momentum": 0.5,
             "retry_backoff": 0.1,
+            "max_retries": None,
         },
     }
+    config = tiny_run(tmp_path, **e2e)
     for section, values in sections.items():
         if values is None:
             config.pop(section, None)

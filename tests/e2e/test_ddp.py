@@ -68,7 +68,7 @@ def after_optimizer_step(trainer, step):
         os.kill(os.getpid(), signal.SIGKILL)
     if str(step) == os.environ.get("PROBE_HOLD_AT"):
         (OUT / f"holding_rank{rank}").write_text(str(os.getpid()))
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + float(os.environ.get("PROBE_HOLD_S", "240"))
         while time.monotonic() < deadline:  # until the test kills us
             time.sleep(0.05)
 """
@@ -182,6 +182,36 @@ def test_token_shards_split_over_ranks_follow_one_process(tmp_path: Path) -> Non
     assert_same_curve(losses(single), losses(ddp))
 
 
+def eval_events(directory: Path) -> list[dict[str, Any]]:
+    lines = (directory / "run" / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["event"] == "eval"]
+
+
+def test_an_evaluation_scores_the_same_windows_with_one_and_two_ranks(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"line {i}: the quick brown fox {i * 7 % 13}\n" for i in range(600)))
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    for directory in (single, ddp):
+        directory.mkdir()
+    # 3 micro-batches of 4 windows: 12, split 6 and 6 between two ranks (4 + 2 each).
+    options = {
+        "data": {"text_path": str(corpus)},
+        "eval": {"holdout_fraction": 0.2, "batches": 3, "micro_batch_size": 4, "every": 4},
+    }
+    run(
+        write_config(single, **{**options, "data": {**options["data"], "micro_batch_size": 8}}),
+        None,
+        environment(single),
+    )
+    run(write_config(ddp, **options), 2, environment(ddp))
+    one, two = eval_events(single), eval_events(ddp)
+    assert [e["step"] for e in one] == [e["step"] for e in two] == [4, 8]
+    for a, b in zip(one, two):
+        assert a["tokens"] == b["tokens"] == 12 * 16
+        assert a["windows"] == b["windows"] == 12 and a["of_windows"] == b["of_windows"]
+        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a, b)
+
+
 def test_accumulation_all_reduces_once_per_optimizer_step(tmp_path: Path) -> None:
     config = write_config(
         tmp_path, data={"micro_batch_size": 2, "target_batch_size": 16}, run={"max_steps": 3}
@@ -258,3 +288,61 @@ def test_a_killed_rank_ends_the_run_on_every_rank_and_keeps_the_checkpoint(
     from speedtronic.checkpoint import CheckpointManager
 
     assert CheckpointManager(tmp_path / "run" / "checkpoints").load_latest().step == 4
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie nobody reaped yet counts as dead)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_sigkilled_launcher_takes_its_ranks_and_a_live_run_locks_its_directory(
+    tmp_path: Path,
+) -> None:
+    """The launcher of ``--nproc-per-node 2`` is SIGKILLed alone (its ranks run in sessions of
+    their own): the ranks die with it. While they lived, a second run in the same checkpoint
+    directory was refused, naming the holder; once they are gone it resumes."""
+    config = write_config(tmp_path, run={"max_steps": 8})
+    process = subprocess.Popen(
+        command(config, 2),
+        # Held far longer than the test waits for them to die: an orphan cannot finish.
+        env=environment(tmp_path, PROBE_HOLD_AT="6", PROBE_HOLD_S="1800"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    ranks: list[int] = []
+    try:
+        for rank in (0, 1):
+            wait_for(tmp_path / f"holding_rank{rank}", process)
+            ranks.append(int((tmp_path / f"holding_rank{rank}").read_text()))
+        second = subprocess.run(
+            command(config, None, "--resume"),
+            capture_output=True,
+            text=True,
+            timeout=WAIT,
+            env=environment(tmp_path),
+        )
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert "in use by another live run" in second.stderr
+        assert f"pid {ranks[0]}" in second.stderr and "Traceback" not in second.stderr
+
+        process.kill()  # the launcher only
+        process.communicate(timeout=WAIT)
+        deadline = time.monotonic() + 60
+        while any(_alive(pid) for pid in ranks):
+            assert time.monotonic() < deadline, "the ranks outlived their launcher"
+            time.sleep(0.1)
+        assert not (tmp_path / "run" / "checkpoints" / "step_00000008").exists()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    run(config, None, environment(tmp_path), "--resume")  # the lock died with them

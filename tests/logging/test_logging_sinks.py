@@ -200,3 +200,15 @@ def test_building_a_sink_without_its_backend_names_the_extra(
         sink()
     assert f"pip install 'speedtronic-logging[{extra}]'" in str(caught.value)
     assert sink.__name__ in str(caught.value)
+
+
+def test_tflops_and_mfu_reach_tensorboard_as_every_step_field(tmp_path, tiny_config) -> None:
+    out = tmp_path / "run"
+    config = tiny_config(out).with_overrides({"run.peak_tflops": 0.001})
+    train_from_config(config, hooks=[TensorBoardSink()], console=False)
+    steps = [e for e in read_jsonl(out / "metrics.jsonl") if e["event"] == "step"]
+    events = tensorboard_events(out / "tensorboard")
+    for key in ("tflops", "mfu"):
+        logged = [(s.step, s.value) for s in events.Scalars(f"train/{key}")]
+        assert logged == [(e["step"], pytest.approx(e[key], rel=1e-6)) for e in steps]
+    assert all(e["mfu"] == e["tflops"] / 0.001 for e in steps)

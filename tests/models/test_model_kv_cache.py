@@ -92,13 +92,32 @@ def test_generation_stops_at_eos_and_at_the_context(make_model, caplog) -> None:
     eos = greedy[4]
     stopped = list(generate_tokens(model, [5, 17], GREEDY, eos_id=eos))
     assert stopped == greedy[: greedy.index(eos) + 1]
-    with caplog.at_level(logging.WARNING, logger="speedtronic"):
-        long = list(generate_tokens(model, [1] * 28, SamplingOptions(100, temperature=0)))
-    assert len(long) == 4 and "generating 4 tokens, not 100" in caplog.text
-    with pytest.raises(DataError, match="nothing fits after it"):
-        list(generate_tokens(model, [1] * 32, GREEDY))
     with pytest.raises(DataError, match="prompt is empty"):
         list(generate_tokens(model, [], GREEDY))
+
+
+def test_generation_slides_past_the_context(make_model, caplog) -> None:
+    """A context-32 model writes all 100 tokens after a 28-token prompt: the window slides,
+    the KV cache is rebuilt from the cropped context, and the cached and recomputed paths
+    see the same windows, so they pick the same tokens."""
+    model = make_model(seed=3)
+    sharpen(model)
+    assert model.max_seq_len == 32
+    prompt = [(7 * i) % 40 for i in range(28)]
+    options = SamplingOptions(100, temperature=0)
+    with caplog.at_level(logging.WARNING, logger="speedtronic"):
+        tokens = generate_tokens(model, prompt, options)  # warns here, before any token
+        assert "outgrow the model's context of 32" in caplog.text
+        cached = list(tokens)
+    recomputed = list(generate_tokens(model, prompt, options, use_cache=False))
+    assert len(cached) == 100 and cached == recomputed
+    assert len(set(cached[50:])) > 3  # still a real sequence far past the context
+    # A prompt longer than the context: the model reads its last 32 tokens.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="speedtronic"):
+        long = list(generate_tokens(model, [1] * 40 + prompt, GREEDY))
+    assert "the model sees its last 32" in caplog.text
+    assert long == list(generate_tokens(model, ([1] * 40 + prompt)[-32:], GREEDY))
 
 
 def test_sample_next_filters() -> None:

@@ -19,6 +19,7 @@ from speedtronic.errors import (
 from speedtronic.hookspecs import hookimpl
 from speedtronic.registry import build_model_from_hook as build_model
 from speedtronic.registry import register_model
+from speedtronic.run import TrainerLike
 
 __version__ = "0.1.0"
 
@@ -29,6 +30,7 @@ __all__ = [
     "PluginError",
     "SpeedtronicConfig",
     "SpeedtronicError",
+    "TrainerLike",
     "TransportError",
     "__version__",
     "build_model",

@@ -11,14 +11,17 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from speedtronic import __version__
+from speedtronic.cli_options import add_config_flag, add_set_option, load_config
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.errors import PluginError, SpeedtronicError
+from speedtronic.threads import AUTO, auto_threads
 
 __all__ = [
     "EXIT_USER_ERROR",
@@ -32,41 +35,59 @@ __all__ = [
     "load_config",
     "load_plugin_modules",
     "main",
+    "step_window",
 ]
 
 log = logging.getLogger("speedtronic.cli")
 
 EXIT_USER_ERROR = 2
-
-
-def load_config(args: argparse.Namespace) -> SpeedtronicConfig:
-    """The config a command's ``--config`` names, with its ``--set`` overrides and the
-    shorthands ``--max-steps``, ``--output-dir`` and ``--resume`` applied."""
-    config = SpeedtronicConfig.from_file(args.config)
-    overrides: list[str] = list(getattr(args, "set", None) or [])
-    if getattr(args, "max_steps", None) is not None:
-        overrides.append(f"run.max_steps={args.max_steps}")
-    if getattr(args, "output_dir", None) is not None:
-        overrides.append(f"run.output_dir={json.dumps(args.output_dir)}")
-    if getattr(args, "resume", False):
-        overrides.append("checkpoint.resume=true")
-    return config.with_overrides(overrides) if overrides else config
+# How long `--nproc-per-node`'s launcher waits for signalled ranks to save and exit before it
+# kills them (torchrun's own default is 30 s, short for a large checkpoint).
+LAUNCHER_SHUTDOWN_S = 300
+_LAUNCHER = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     """``speedtronic train``: validate, build and run; print a one-line summary."""
+    from speedtronic.launcher import die_with_launcher
+
+    die_with_launcher()  # a rank of `--nproc-per-node`: never outlive the launcher
     config = load_config(args)  # before importing torch: a config error should be instant
+    from speedtronic.preflight import check_before_building
+
+    check_before_building(config)  # so are errors the config and its files decide alone
     if getattr(args, "nproc_per_node", None) and "WORLD_SIZE" not in os.environ:
         return _launch_ranks(args.nproc_per_node, config, args.argv)
     from speedtronic.runtime import train_from_config
 
-    result = train_from_config(config)
+    try:
+        result = train_from_config(config)
+    except KeyboardInterrupt:  # a second Ctrl-C, or SIGINT left out of run.stop_signals
+        if os.environ.get("RANK", "0") == "0":
+            print(f"interrupted; {_resume_advice(config)}", file=sys.stderr)
+        return 130
+    if result.stop_signal is not None:  # stopped cleanly, with a checkpoint at the last step
+        if os.environ.get("RANK", "0") == "0":
+            print(f"interrupted; {_resume_advice(config)}", file=sys.stderr)
+        return 128 + result.stop_signal  # "did not finish": a scheduler may requeue the run
     loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "n/a"
     resumed = f" (resumed from step {result.resumed_from})" if result.resumed_from else ""
     steps = f"{result.steps} step{'' if result.steps == 1 else 's'}"
     if os.environ.get("RANK", "0") == "0":  # under DDP, rank 0 reports for the run
         print(f"done: {steps}{resumed}, final loss {loss}, {result.elapsed_s:.1f}s")
     return 0
+
+
+def _resume_advice(config: SpeedtronicConfig) -> str:
+    """Where an interrupted run can continue from, as the line after ``interrupted``."""
+    from speedtronic.checkpoint.names import existing_checkpoints
+
+    saved = existing_checkpoints(config.checkpoint_dir)
+    if not saved:
+        return f"no checkpoint was saved in {config.checkpoint_dir}: a new run starts from step 0"
+    return (
+        f"the newest checkpoint is {saved[0]}: continue from it with the same command and --resume"
+    )
 
 
 def _launch_ranks(nproc: int, config: SpeedtronicConfig, argv: Sequence[str]) -> int:
@@ -76,6 +97,11 @@ def _launch_ranks(nproc: int, config: SpeedtronicConfig, argv: Sequence[str]) ->
         raise SpeedtronicError(f"--nproc-per-node must be >= 1, got {nproc}")
     if config.parallel.strategy == "none":
         raise SpeedtronicError("--nproc-per-node needs parallel.strategy auto or ddp, not none")
+    if config.run.threads == AUTO and "OMP_NUM_THREADS" not in os.environ:
+        # torchrun would give every rank one thread; auto shares the cores between the ranks.
+        ranks = {**os.environ, "LOCAL_WORLD_SIZE": str(nproc)}
+        os.environ["OMP_NUM_THREADS"] = str(auto_threads(ranks))
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
@@ -91,9 +117,27 @@ def _launch_ranks(nproc: int, config: SpeedtronicConfig, argv: Sequence[str]) ->
         if arg.startswith("--nproc-per-node="):
             continue
         passed.append(arg)
+    from speedtronic.launcher import LAUNCHER_PID_ENV
+
+    # The ranks die with this process (speedtronic.launcher), even when it is SIGKILLed.
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    # The launcher forwards these to the ranks (its own list lacks SIGUSR1) and then gives
+    # them time to write their checkpoint before it kills them.
+    stop = config.run.stop_signals
+    handled = [*_LAUNCHER, *(name for name in stop if name not in _LAUNCHER)]
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(handled)
+    launch = ["--standalone", "--nproc-per-node", str(nproc)]
+    launch += ["--shutdown-timeout", str(LAUNCHER_SHUTDOWN_S)]
     try:
-        torchrun(["--standalone", "--nproc-per-node", str(nproc), "-m", "speedtronic", *passed])
+        torchrun([*launch, "-m", "speedtronic", *passed])
+    except SignalException as exc:
+        # The ranks got the signal from the launcher, saved and exited; so does the launcher.
+        return 128 + int(exc.sigval)
     except ChildFailedError as exc:
+        codes = {f.exitcode for f in exc.failures.values()}
+        stopped = {128 + int(getattr(signal, name)) for name in stop}
+        if len(codes) == 1 and codes <= stopped:  # every rank was signalled and stopped
+            return codes.pop()
         failures = ", ".join(f"rank {rank}: exit {f.exitcode}" for rank, f in exc.failures.items())
         raise SpeedtronicError(f"a rank failed ({failures}); see its error above") from None
     return 0
@@ -106,7 +150,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if not args.config_only:
         from speedtronic.parallel import launched_world_size
         from speedtronic.runtime import check_runtime
+        from speedtronic.threads import apply_threads
 
+        apply_threads(config.run.threads)
         world = args.nproc_per_node or launched_world_size()
         if world < 1:
             raise SpeedtronicError(f"--nproc-per-node must be >= 1, got {world}")
@@ -161,15 +207,17 @@ def _add_plugin_commands(sub: argparse._SubParsersAction) -> None:
     call_each(get_plugin_manager().hook.register_commands, {"subparsers": sub}, lose_commands)
 
 
-def add_set_option(parser: argparse.ArgumentParser) -> None:
-    """``--set KEY=VALUE`` (repeatable), the dotted config override every command that reads a
-    config takes; read it back with :func:`load_config`."""
-    parser.add_argument(
-        "--set",
-        action="append",
-        metavar="KEY=VALUE",
-        help="override a dotted config key, value parsed as YAML (repeatable)",
-    )
+def step_window(text: str) -> tuple[int, int]:
+    """``START:END`` (or one step ``N``) as a pair of optimizer steps, for ``--profile``."""
+    start_text, sep, end_text = text.partition(":")
+    try:
+        start = int(start_text)
+        end = int(end_text) if sep else start
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected START:END steps, got {text!r}") from None
+    if start < 1 or end < start:
+        raise argparse.ArgumentTypeError(f"expected 1 <= START <= END, got {text!r}")
+    return start, end
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -191,6 +239,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="data parallel on this machine: start N ranks (DDP) through torch's elastic "
         "launcher, as torchrun does",
+    )
+    train.add_argument(
+        "--profile",
+        type=step_window,
+        metavar="START:END",
+        help="profile optimizer steps START to END (inclusive) with torch.profiler: a Chrome "
+        "trace in <output_dir>/profile/ and the top operators logged (profile.start/end)",
     )
     add_set_option(train)
     train.set_defaults(handler=cmd_train)
@@ -229,6 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
     from speedtronic.export_cli import add_model_commands
 
     add_model_commands(sub)  # `speedtronic export`, `speedtronic generate`
+    from speedtronic.plot_cli import add_plot_command
+
+    add_plot_command(sub)  # `speedtronic plot`
     _add_plugin_commands(sub)
     # `--debug` and `--plugin` are also accepted after the command name, plugin commands and
     # nested ones (`speedtronic diloco status --debug`) included: main() reads --plugin before
@@ -249,17 +307,6 @@ def _all_commands(sub: argparse._SubParsersAction) -> Iterator[argparse.Argument
         for action in command._actions:
             if isinstance(action, argparse._SubParsersAction):
                 yield from _all_commands(action)
-
-
-def add_config_flag(parser: argparse.ArgumentParser, flag: str, override: str, help: str) -> None:
-    """A switch ``flag`` on ``parser`` that stands for ``--set override``: a plugin gives
-    ``speedtronic train`` a flag for one of its config keys, e.g. ``add_config_flag(
-    subparsers.choices["train"], "--take-over", "distributed.take_over=true", ...)`` in its
-    ``register_commands`` hook. :func:`load_config` applies it in command-line order with the
-    ``--set`` options (the last one of a key wins)."""
-    if "=" not in override:
-        raise ValueError(f"override {override!r} is not KEY=VALUE")
-    parser.add_argument(flag, dest="set", action="append_const", const=override, help=help)
 
 
 GLOBAL_FLAGS: dict[str, dict[str, Any]] = {

@@ -8,7 +8,6 @@ section that an uninstalled first-party distribution would provide says what to 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import os
 from collections.abc import Mapping
@@ -27,6 +26,7 @@ from speedtronic.schema import (
     coerce,
     option,
     section_to_dict,
+    suggest_key,
     unknown_key_error,
 )
 
@@ -44,6 +44,7 @@ __all__ = [
     "OptimizerConfig",
     "ParallelConfig",
     "PrecisionConfig",
+    "ProfileConfig",
     "RunConfig",
     "SchedulerConfig",
     "SpeedtronicConfig",
@@ -64,14 +65,50 @@ class RunConfig(Section):
         100, ge=1, help="Global optimizer-step target; a resumed run continues up to it."
     )
     output_dir: str = option("runs/speedtronic", help="Directory for checkpoints and logs.")
-    threads: int | None = option(
-        None,
+    max_nan_steps: int | None = option(
+        20,
+        ge=1,
+        help="Stop the run with an error once this many optimizer steps in a row had a NaN or "
+        "infinite loss (counted on the device, read every half of that many steps); null: "
+        "never stop for it.",
+    )
+    threads: int | Literal["auto"] | None = option(
+        "auto",
         ge=1,
         le=4096,
-        help="CPU threads for torch's intra-op work in this process (`torch.set_num_threads`); "
-        "unset keeps torch's default (all cores, or $OMP_NUM_THREADS). Set 1 when several "
-        "training processes share one machine's cores.",
+        help="CPU threads for torch's intra-op work in this process (`torch.set_num_threads`). "
+        "`auto`: $OMP_NUM_THREADS when set, else the cores this process may use divided by "
+        "the processes of this run on the machine ($LOCAL_WORLD_SIZE under torchrun, or "
+        "$SPEEDTRONIC_LOCAL_PROCESSES), at most the physical cores. For `auto` or a number the CLI "
+        "also sets OMP_WAIT_POLICY=PASSIVE; `null` keeps torch's defaults (all cores). Every "
+        "command (train, eval, export, generate, validate) honours it.",
     )
+    peak_tflops: float | None = option(
+        None,
+        gt=0,
+        help="Peak dense TFLOP/s of one device at the training precision, for `mfu` on each "
+        "`step` record (= `tflops` / this); unset: the built-in table of common GPUs (bf16 "
+        "dense, see metrics.md), else no `mfu`.",
+    )
+    stop_signals: list[str] = option(
+        default_factory=lambda: ["SIGTERM", "SIGINT"],
+        help="Signals that stop the run cleanly: the step in progress finishes, a checkpoint "
+        "is saved at it, and the process exits with 128 + the signal number (a second signal "
+        "aborts at once). Add `SIGUSR1` for SLURM's `--signal`; `[]` leaves signals alone.",
+    )
+
+    def validate(self) -> None:
+        import signal
+
+        for index, name in enumerate(self.stop_signals):
+            if name in ("SIGKILL", "SIGSTOP") or not isinstance(
+                getattr(signal, str(name), None), signal.Signals
+            ):
+                raise ConfigError(
+                    f"{name!r} is not a signal a process can handle (SIGTERM, SIGINT, "
+                    "SIGUSR1, ...)",
+                    f"stop_signals[{index}]",
+                )
 
 
 @dataclass
@@ -80,6 +117,20 @@ class ModelConfig:
 
     name: str = "reference_transformer"
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # The factory is called as build(name, **params): a parameter called ``name`` would
+        # collide with the model's name; a mapping called ``params`` would be read back as
+        # the nested form by from_mapping(to_dict()) (a scalar one survives and is allowed).
+        for key, value in self.params.items():
+            if not isinstance(key, str):
+                raise ConfigError(f"parameter names must be strings, got {key!r}"[:200], "model")
+            if key == "name" or (key == "params" and isinstance(value, Mapping)):
+                raise ConfigError(
+                    "is a reserved key (model.name names the model, model.params holds its "
+                    "parameters); rename the parameter",
+                    f"model.params.{key}",
+                )
 
     @classmethod
     def from_mapping(cls, data: Any) -> ModelConfig:
@@ -136,7 +187,14 @@ class DataConfig(Section):
         None, ge=2, help="Token id range of the synthetic stream; defaults to the model's."
     )
     seed: int | None = option(
-        None, help="Data-stream seed; defaults to `run.seed`. Plugins may offset it per node."
+        None, help="Data-stream seed; defaults to `run.seed`. Plugins may key it per node."
+    )
+    node_split: Literal["auto", "none"] = option(
+        "auto",
+        help="How the nodes of a multi-node run (DiLoCo) share the data. `auto`: ranked nodes "
+        "(`num_nodes`/`node_rank`) read disjoint slices, and nodes without a rank each read "
+        "their own order, keyed by the node id, from every built-in source; `none`: every node "
+        "reads the same stream (for experiments).",
     )
     num_workers: int = option(0, ge=0, help="DataLoader worker processes.")
     prefetch_factor: int | None = option(
@@ -176,11 +234,6 @@ class DataConfig(Section):
                 f"must be an import path like package.module:factory, got {self.dataset!r:.80}",
                 "dataset",
             )
-
-    @property
-    def accumulation_steps(self) -> int:
-        """Micro-batches per optimizer step."""
-        return (self.target_batch_size or self.micro_batch_size) // self.micro_batch_size
 
 
 @dataclass
@@ -289,6 +342,35 @@ class OOOBackpropConfig(Section):
 
 
 @dataclass
+class ProfileConfig(Section):
+    """The ``profile`` section: a torch.profiler window around a few optimizer steps."""
+
+    start: int | None = option(
+        None,
+        ge=1,
+        help="First optimizer step profiled (as the `step` field counts); unset: no profiling. "
+        "`speedtronic train --profile START:END` sets `start` and `end`.",
+    )
+    end: int | None = option(
+        None, ge=1, help="Last optimizer step profiled (inclusive); defaults to `start`."
+    )
+    record_shapes: bool = option(False, help="Record operator input shapes (torch.profiler).")
+    memory: bool = option(False, help="Record tensor allocations (torch.profiler profile_memory).")
+    all_ranks: bool = option(
+        False, help="Under DDP, profile every rank (one trace each); by default rank 0 only."
+    )
+
+    def validate(self) -> None:
+        if self.end is not None and self.start is None:
+            raise ConfigError("is set but profile.start is not", "end")
+        if self.start is not None:
+            if self.end is None:
+                self.end = self.start
+            if self.end < self.start:
+                raise ConfigError(f"must be >= start ({self.start}), got {self.end}", "end")
+
+
+@dataclass
 class CheckpointConfig(Section):
     """The ``checkpoint`` section: where, how often, how many, and resuming."""
 
@@ -304,6 +386,19 @@ class CheckpointConfig(Section):
         False,
         help="With resume: start from scratch even if checkpoints exist but none is usable "
         "(otherwise that is an error).",
+    )
+    every_seconds: float | None = option(
+        None,
+        gt=0,
+        help="Also save when this many seconds passed since the last save (checked at step "
+        "boundaries; the ranks of a data-parallel run agree); unset: steps only.",
+    )
+    async_save: bool = option(
+        False,
+        help="Copy the state to CPU memory at the save step and write it in a background "
+        "thread while training goes on (one write in flight; a failure is raised at the next "
+        "step). The run's end and a stop signal wait for it. Not with `parallel.strategy: fsdp` "
+        "(sharded saves are collective).",
     )
     save_final: bool = option(True, help="Save at the end of a successful fit.")
     save_retry_pause: float = option(
@@ -397,7 +492,13 @@ class EvalConfig(Section):
     """The ``eval`` section: held-out evaluation during training and at its end."""
 
     every: int = option(0, ge=0, help="Evaluate every N optimizer steps; 0 = never during.")
-    batches: int = option(8, ge=1, le=100_000, help="Micro-batches per evaluation.")
+    batches: int | Literal["all"] = option(
+        8,
+        ge=1,
+        le=100_000,
+        help="Micro-batches per evaluation, their windows spread evenly over the held-out "
+        "split (the same ones every time); `all` scores every window once.",
+    )
     at_end: bool | None = option(
         None, help="Evaluate once after the last step; default: true when eval is configured."
     )
@@ -445,7 +546,11 @@ class LoggingConfig(Section):
         "INFO", help="Log level of the `speedtronic` loggers."
     )
     file: str | None = option(None, help="Append human-readable metric lines to this file.")
-    json_file: str | None = option(None, help="Append one JSON object per metric event here.")
+    json_file: str | None = option(
+        None,
+        help="Append one JSON object per metric event here (what `speedtronic plot` reads); "
+        'unset: `<run.output_dir>/metrics.jsonl`; `""`: no JSONL file.',
+    )
     log_every: int = option(10, ge=1, help="Read the loss and emit a `step` event every N steps.")
     hooks: list[str] = option(
         default_factory=list,
@@ -467,6 +572,7 @@ CORE_SECTIONS: dict[str, type] = {
     "eval": EvalConfig,
     "parallel": ParallelConfig,
     "logging": LoggingConfig,
+    "profile": ProfileConfig,
 }
 TOP_LEVEL_KEYS = ("model", "gradient_checkpointing")
 RUN_ALIASES = ("name", "max_steps", "output_dir", "seed", "device")
@@ -517,6 +623,7 @@ class SpeedtronicConfig:
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
     plugins: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Sections contributed by plugins, by name; also reachable as attributes."""
 
@@ -579,7 +686,7 @@ class SpeedtronicConfig:
         for key in data:
             if key not in known:
                 hint = _provider_hint(str(key))
-                if not hint and not difflib.get_close_matches(str(key), known, n=1, cutoff=0.6):
+                if not hint and not suggest_key(str(key), known):
                     sections = ["model", *CORE_SECTIONS, *extra, "gradient_checkpointing"]
                     hint = f"; the top-level keys are {', '.join(sections)}"
                     absent = [f"{s} ({d})" for s, d in _provided_sections() if s not in extra]
@@ -692,6 +799,14 @@ class SpeedtronicConfig:
         return self.data.seed if self.data.seed is not None else self.run.seed
 
     @property
+    def metrics_file(self) -> Path | None:
+        """Where the JSONL metrics go: ``logging.json_file``, ``<output_dir>/metrics.jsonl``
+        when that is unset, None when it is ``""``."""
+        if self.logging.json_file is None:
+            return self.output_dir / "metrics.jsonl"
+        return Path(self.logging.json_file) if self.logging.json_file else None
+
+    @property
     def checkpoint_dir(self) -> Path:
         """Where checkpoints go: ``checkpoint.directory`` or ``<output_dir>/checkpoints``."""
         if self.checkpoint.directory:
@@ -712,6 +827,14 @@ def _check_fsdp_combination(config: SpeedtronicConfig) -> None:
             "muon cannot be used with parallel.strategy fsdp: Muon orthogonalises whole "
             "matrices, and each rank holds only a shard of them; use adamw or ddp",
             "optimizer.name",
+        )
+    if config.checkpoint.async_save:
+        raise ConfigError(
+            "cannot be combined with parallel.strategy fsdp yet: a sharded save is collective "
+            "(every rank writes its shards, then rank 0 commits the checkpoint), which a "
+            "background write off the training path does not do; set checkpoint.async_save: "
+            "false (or use parallel.strategy ddp)",
+            "checkpoint.async_save",
         )
 
 
@@ -738,6 +861,9 @@ def _is_file(text: str) -> bool:
 MAX_CONFIG_BYTES = 4 << 20
 # Sections nest two or three levels; a document nested deeper than this is not a config.
 MAX_CONFIG_DEPTH = 32
+# A config holds a few hundred values; YAML aliases can make a 300-byte document stand for
+# billions of them, which every later walk over the config would visit.
+MAX_CONFIG_NODES = 100_000
 
 
 def check_plain_data(data: Any, path: str = "", depth: int = 0) -> None:
@@ -801,9 +927,62 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def _expanded_size(root: yaml.Node, limit: int) -> int:
+    """How many nodes ``root`` stands for once every alias is expanded (counted with one
+    visit per distinct node, so a "billion laughs" document is measured, not expanded);
+    counts saturate just past ``limit``."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+    # Iterative post-order walk: a document nested deeply must not exhaust the Python stack.
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        key = id(node)
+        if key in sizes:
+            continue
+        if isinstance(node, yaml.SequenceNode):
+            children = list(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            children = [part for pair in node.value for part in pair]
+        else:
+            sizes[key] = 1
+            continue
+        if children_done:
+            total = 1 + sum(sizes.get(id(child), 0) for child in children)
+            sizes[key] = min(total, limit + 1)
+            open_nodes.discard(key)
+            continue
+        if key in open_nodes:
+            continue  # an alias of an enclosing node: a recursive document (too deep later)
+        open_nodes.add(key)
+        stack.append((node, True))
+        stack.extend((child, False) for child in children if id(child) not in sizes)
+    return sizes[id(root)]
+
+
+def load_yaml(text: str) -> Any:
+    """Parse one YAML document with the strict loader (duplicate keys and non-scalar keys are
+    errors) after checking that its aliases do not expand it past :data:`MAX_CONFIG_NODES`
+    values. Raises ConfigError for those; YAML's own errors pass through."""
+    loader = _StrictLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        size = _expanded_size(node, MAX_CONFIG_NODES)
+        if size > MAX_CONFIG_NODES:
+            raise ConfigError(
+                f"its aliases expand it to more than {MAX_CONFIG_NODES:,} values (a config "
+                "holds a few hundred)"
+            )
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
 def _parse(text: str, origin: str, yaml_ok: bool) -> Any:
     try:
-        data = yaml.load(text, Loader=_StrictLoader) if yaml_ok else json.loads(text)
+        data = load_yaml(text) if yaml_ok else json.loads(text)
     except ConfigError as exc:
         raise ConfigError(f"cannot parse {origin}: {exc}") from None
     except yaml.MarkedYAMLError as exc:
@@ -834,7 +1013,11 @@ def _split_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
         if not sep or not key.strip():
             raise ConfigError(f"override {raw!r} must look like dotted.key=value")
         try:
-            parsed = yaml.safe_load(value) if value.strip() else ""
+            parsed = load_yaml(value) if value.strip() else ""
+        except ConfigError as exc:
+            raise ConfigError(
+                f"cannot parse the value of override {key.strip()!r}: {exc}"
+            ) from None
         except yaml.YAMLError:  # not YAML (e.g. "a: b: c"): take the text as it is
             parsed = value
         except (RecursionError, ValueError, TypeError, OverflowError):

@@ -1,7 +1,9 @@
 """``speedtronic eval``: score a saved checkpoint (or a DiLoCo global) on the config's eval data.
 
-The held-out samples are exactly the ones training evaluates (see :mod:`speedtronic.eval`), so
-the number printed here matches the run's ``eval`` events for the same weights.
+By default it scores every window of the held-out split once (``--batches all``; an endless
+stream such as the synthetic data takes the config's ``eval.batches``). ``--batches N`` picks
+the same spread windows training evaluates with ``eval.batches: N`` (see :mod:`speedtronic.eval`),
+so the number printed then matches the run's ``eval`` events for the same weights.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import json
 import math
 from typing import Any
 
-from speedtronic.cli import add_set_option, load_config
+from speedtronic.cli_options import add_set_option, load_config
 from speedtronic.errors import CheckpointError, PluginError
 
 __all__ = ["add_eval_command", "cmd_eval"]
@@ -36,7 +38,13 @@ def add_eval_command(subparsers: Any) -> None:
         action="store_true",
         help="score the shared store's current global weights (needs speedtronic-diloco)",
     )
-    command.add_argument("--batches", type=int, help="override eval.batches")
+    command.add_argument(
+        "--batches",
+        type=_batches,
+        metavar="N|all",
+        help="micro-batches to score, spread over the held-out split (default all: every "
+        "window once)",
+    )
     command.add_argument(
         "--format", choices=("table", "json"), default="table", help="output format"
     )
@@ -44,11 +52,24 @@ def add_eval_command(subparsers: Any) -> None:
     command.set_defaults(handler=cmd_eval)
 
 
+def _batches(text: str) -> int | str:
+    if text == "all":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'all', got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
-    """Load the weights, evaluate, print loss/ppl/tokens."""
+    """Load the weights, evaluate, print loss/ppl/tokens and how many windows were scored."""
     config = load_config(args)
-    if args.batches is not None:
-        config = config.with_overrides([f"eval.batches={args.batches}"])
+    from speedtronic.preflight import check_before_building
+
+    check_before_building(config, training=False)  # before torch and the model
 
     from speedtronic.eval import Evaluator, build_eval_source
     from speedtronic.inference import read_checkpoint
@@ -56,10 +77,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from speedtronic.plugins import get_plugin_manager
     from speedtronic.precision import resolve_device, resolve_precision
     from speedtronic.registry import build_model_from_hook
+    from speedtronic.threads import apply_threads
     from speedtronic.trainer import state_mismatch
 
-    model = build_model_from_hook(config.model.name, **config.model.params)
+    apply_threads(config.run.threads)
     if args.use_global:
+        model = build_model_from_hook(config.model.name, **config.model.params)
         weights = get_plugin_manager().hook.load_global_state(config=config, model=model)
         if weights is None:
             raise PluginError(
@@ -70,9 +93,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     else:
         # As export and generate read it: latest, best, a step_NNNNNNNN directory or a
         # directory holding them, with the trainer state checked.
-        loaded = read_checkpoint(config, args.checkpoint)
+        loaded = read_checkpoint(config, args.checkpoint)  # a missing one fails before the model
         weights = loaded.state.get("model")
         source = str(loaded.path)
+        model = build_model_from_hook(config.model.name, **config.model.params)
     mismatch = state_mismatch(model.state_dict(), weights)
     if mismatch:
         raise CheckpointError(f"{source} does not fit this model ({mismatch})")
@@ -81,9 +105,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     model.to(device)
     from speedtronic.batch import label_mode
 
+    held_out = build_eval_source(config, **model_limits(model, config.model.params))
+    batches = args.batches
+    if batches is None:
+        windows = getattr(held_out, "windows", None)
+        finite = windows.count is not None if windows is not None else held_out.epoch_batches
+        batches = "all" if finite else config.eval.batches
     evaluator = Evaluator(
-        build_eval_source(config, **model_limits(model, config.model.params)),
-        config.eval.batches,
+        held_out,
+        batches,
         device=device,
         precision=resolve_precision(config.precision.mode, device),
         label_mode=label_mode(config.data.labels, model),
@@ -96,6 +126,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         "ppl": result.ppl,
         "tokens": result.tokens,
         "batches": result.batches,
+        "windows": result.windows,
+        "of_windows": result.of_windows,
         "elapsed_s": result.elapsed_s,
     }
     if args.format == "json":
@@ -111,7 +143,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     table = Table(title="speedtronic eval", show_header=False)
-    for key, value in record.items():
+    shown = dict(record)
+    of = shown.pop("of_windows")
+    shown["windows"] = f"{result.windows} of {of}" if of is not None else str(result.windows)
+    for key, value in shown.items():
         table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
     Console().print(table)
     return 0

@@ -13,7 +13,7 @@ import logging
 import sys
 from typing import Any
 
-from speedtronic.cli import add_set_option, load_config
+from speedtronic.cli_options import add_set_option, load_config
 
 __all__ = ["DTYPE_CHOICES", "FORMAT_CHOICES", "add_model_commands", "cmd_export", "cmd_generate"]
 
@@ -32,6 +32,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     """``speedtronic export``: write the trained model as a folder other tools load."""
     config = load_config(args)
     from speedtronic.export import export_run
+    from speedtronic.threads import apply_threads
+
+    apply_threads(config.run.threads)
 
     result = export_run(
         config,
@@ -56,7 +59,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from speedtronic.generation import SamplingOptions, generate_text
     from speedtronic.inference import load_trained_model, run_tokenizer
     from speedtronic.precision import resolve_device
+    from speedtronic.threads import apply_threads
 
+    apply_threads(config.run.threads)
     options = SamplingOptions(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -72,13 +77,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     codec = tokenizer.codec(getattr(trained.model, "vocab_size", None))
     at_step = f" (step {trained.step})" if trained.step is not None else ""
     log.info("sampling from %s%s, tokenizer %s", trained.source, at_step, tokenizer.name)
-    codec.encode(args.prompt)  # a prompt the model cannot read fails before any output
+    # A prompt the model cannot read fails, and warnings (stderr) are shown, before any text.
+    pieces = generate_text(
+        trained.model, codec, args.prompt, options, use_cache=not args.no_kv_cache
+    )
     out = sys.stdout
     out.write(args.prompt)
     out.flush()
-    for piece in generate_text(
-        trained.model, codec, args.prompt, options, use_cache=not args.no_kv_cache
-    ):
+    for piece in pieces:
         out.write(piece)
         out.flush()
     out.write("\n")

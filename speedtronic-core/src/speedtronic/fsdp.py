@@ -182,10 +182,13 @@ def shard_model(
 @dataclass
 class ShardedRun:
     """The trainer's handle on a sharded model: gradient sync across accumulation
-    micro-batches and the gradient norm over shards."""
+    micro-batches and the gradient norm over shards. ``shadow`` is a meta-device copy of the
+    model taken before it was sharded (:func:`speedtronic.flops.meta_shadow`): what the FLOP
+    count at train start runs on."""
 
     model: nn.Module
     units: list[nn.Module]
+    shadow: nn.Module | None = None
 
     def before_backward(self, last: bool) -> None:
         """Before a micro-batch's backward: only the last one of an optimizer step

@@ -35,6 +35,7 @@ __all__ = [
     "SamplingOptions",
     "TextCodec",
     "TokenizerCodec",
+    "context_window",
     "generate_text",
     "generate_tokens",
     "logits_of",
@@ -125,6 +126,13 @@ def _device_of(model: Any) -> torch.device:
     return torch.device("cpu")
 
 
+def context_window(max_len: int) -> int:
+    """How many of the latest tokens a full context keeps when the text outgrows a model's
+    ``max_seq_len``: three quarters of it, so the KV cache is rebuilt once every quarter
+    context rather than for every token."""
+    return max(1, max_len - max(1, max_len // 4))
+
+
 def generate_tokens(
     model: Any,
     prompt_ids: Sequence[int],
@@ -137,8 +145,11 @@ def generate_tokens(
     stopping after ``eos_id``. Puts ``model`` in eval mode.
 
     With ``use_cache`` (and a model offering ``start_decoding``) each step feeds only the new
-    token; otherwise the whole sequence is run again. A model with ``max_seq_len`` gets no more
-    tokens than fit in it (a warning says so).
+    token; otherwise the whole context is run again. A model with ``max_seq_len`` sees a
+    sliding window once the text outgrows it: the context is cropped to its latest
+    :func:`context_window` tokens and the KV cache rebuilt from them (the same windows with and
+    without the cache, so both give the same tokens). The prompt is checked and any warning
+    about the window logged when this is called, before the first token.
     """
     options.validate()
     prompt = [int(token) for token in prompt_ids]
@@ -151,69 +162,89 @@ def generate_tokens(
             f"the prompt holds token id {outside}, outside the model's vocabulary of {vocab} "
             "ids: encode it with the run's tokenizer (--tokenizer)"
         )
-    budget = options.max_new_tokens
     max_len = getattr(model, "max_seq_len", None)
-    if isinstance(max_len, int):
-        if len(prompt) >= max_len:
-            raise DataError(
-                f"the prompt has {len(prompt)} tokens; the model's context is {max_len} "
-                "(max_seq_len), so nothing fits after it: shorten the prompt"
-            )
-        if len(prompt) + budget > max_len:
-            budget = max_len - len(prompt)
-            log.warning(
-                "generating %d tokens, not %d: the prompt (%d tokens) and the new tokens must "
-                "fit in the model's max_seq_len %d",
-                budget,
-                options.max_new_tokens,
-                len(prompt),
-                max_len,
-            )
+    if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
+        max_len = None
+    if max_len is not None and len(prompt) > max_len:
+        log.warning(
+            "the prompt has %d tokens, more than the model's context of %d (max_seq_len): "
+            "the model sees its last %d",
+            len(prompt),
+            max_len,
+            max_len,
+        )
+    elif max_len is not None and len(prompt) + options.max_new_tokens > max_len:
+        log.warning(
+            "the prompt (%d tokens) and %d new tokens outgrow the model's context of %d "
+            "(max_seq_len): past it the model sees a sliding window of its latest %d-%d tokens",
+            len(prompt),
+            options.max_new_tokens,
+            max_len,
+            context_window(max_len),
+            max_len,
+        )
     model.eval()
-    device = _device_of(model)
-    generator = torch.Generator().manual_seed(options.seed)
     start = getattr(model, "start_decoding", None)
-    with torch.no_grad():
-        if use_cache and callable(start):
-            step: Callable[[torch.Tensor], torch.Tensor] = start()
-            yield from _sample(step, prompt, budget, options, generator, eos_id, device, True)
-        else:
+    incremental = use_cache and callable(start)
 
-            def step(ids: torch.Tensor) -> torch.Tensor:
-                try:
-                    output = model(ids)
-                except TypeError as exc:
-                    raise SpeedtronicError(
-                        f"cannot call {type(model).__name__}(input_ids) to generate: {exc}"
-                    ) from None
-                return logits_of(output)
+    def recompute() -> Callable[[torch.Tensor], torch.Tensor]:
+        def step(ids: torch.Tensor) -> torch.Tensor:
+            try:
+                output = model(ids)
+            except TypeError as exc:
+                raise SpeedtronicError(
+                    f"cannot call {type(model).__name__}(input_ids) to generate: {exc}"
+                ) from None
+            return logits_of(output)
 
-            yield from _sample(step, prompt, budget, options, generator, eos_id, device, False)
+        return step
+
+    return _sample(
+        start if incremental else recompute,
+        prompt,
+        options,
+        eos_id,
+        _device_of(model),
+        incremental,
+        max_len,
+    )
 
 
 def _sample(
-    step: Callable[[torch.Tensor], torch.Tensor],
+    new_step: Callable[[], Callable[[torch.Tensor], torch.Tensor]],
     prompt: list[int],
-    budget: int,
     options: SamplingOptions,
-    generator: torch.Generator,
     eos_id: int | None,
     device: torch.device,
     incremental: bool,
+    max_len: int | None,
 ) -> Iterator[int]:
-    ids = torch.tensor([prompt], dtype=torch.long, device=device)
-    logits = step(ids)[0, -1]
-    for produced in range(1, budget + 1):
-        token = sample_next(logits, options, generator)
-        yield token
-        if token == eos_id or produced == budget:
-            return
-        new = torch.tensor([[token]], dtype=torch.long, device=device)
-        if incremental:
-            logits = step(new)[0, -1]
-        else:
-            ids = torch.cat([ids, new], dim=1)
-            logits = step(ids)[0, -1]
+    """The sampling loop; ``ids[first:]`` is the context the model sees."""
+    generator = torch.Generator().manual_seed(options.seed)
+
+    def run(step: Callable[[torch.Tensor], torch.Tensor], tokens: list[int]) -> torch.Tensor:
+        return step(torch.tensor([tokens], dtype=torch.long, device=device))[0, -1]
+
+    with torch.no_grad():
+        ids = list(prompt)
+        first = 0 if max_len is None else max(0, len(ids) - max_len)
+        step = new_step()
+        logits = run(step, ids[first:])
+        for produced in range(1, options.max_new_tokens + 1):
+            token = sample_next(logits, options, generator)
+            yield token
+            if token == eos_id or produced == options.max_new_tokens:
+                return
+            ids.append(token)
+            if max_len is not None and len(ids) - first > max_len:
+                first = len(ids) - context_window(max_len)
+                if incremental:
+                    step = new_step()  # a fresh cache, filled from the cropped context
+                logits = run(step, ids[first:])
+            elif incremental:
+                logits = run(step, [token])
+            else:
+                logits = run(step, ids[first:])
 
 
 # ---------------------------------------------------------------- text
@@ -316,11 +347,17 @@ def generate_text(
     *,
     use_cache: bool = True,
 ) -> Iterator[str]:
-    """Yield the text that follows ``prompt``, piece by piece as tokens are sampled."""
-    decode = codec.decoder()
-    for token in generate_tokens(
+    """Yield the text that follows ``prompt``, piece by piece as tokens are sampled. The prompt
+    is checked (and warnings logged) when this is called, before the first piece."""
+    tokens = generate_tokens(
         model, codec.encode(prompt), options, eos_id=codec.eos_id, use_cache=use_cache
-    ):
+    )
+    return _pieces(tokens, codec)
+
+
+def _pieces(tokens: Iterator[int], codec: TextCodec) -> Iterator[str]:
+    decode = codec.decoder()
+    for token in tokens:
         if token == codec.eos_id:
             break
         piece = decode(token)

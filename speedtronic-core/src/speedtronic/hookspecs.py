@@ -5,7 +5,8 @@ match the specs below. Third-party distributions register a module through the e
 group ``speedtronic``; implementations may accept any subset of a hook's arguments, by name.
 These docstrings are the hook reference: ``docs/hooks.md`` is generated from them.
 
-Every hook called during a run receives the run (``trainer``). A plugin keeps what it knows
+Every hook called during a run receives the run (``trainer``), typed as the protocol
+:class:`speedtronic.run.TrainerLike`: what a plugin may use of it. A plugin keeps what it knows
 about a run in ``trainer.plugin_state[<plugin name>]``: a dict that is empty when a run
 begins (``on_load_checkpoint`` fills it on resume, before :func:`on_train_start`) and is
 emptied after :func:`on_train_end`.
@@ -16,6 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 import pluggy
+
+from speedtronic.run import TrainerLike
 
 hookspec = pluggy.HookspecMarker("speedtronic")
 hookimpl = pluggy.HookimplMarker("speedtronic")
@@ -64,20 +67,20 @@ def config_sections() -> dict[str, type]:
 
 
 @hookspec
-def on_train_start(trainer: Any) -> None:
+def on_train_start(trainer: TrainerLike) -> None:
     """Called once per ``Trainer.fit``, before the first step, when the model, optimizer and
     any resumed state are ready (after :func:`on_load_checkpoint` on resume). Read your config
     section from ``trainer.config`` and start what you need here; raising aborts the run."""
 
 
 @hookspec
-def on_train_end(trainer: Any, error: BaseException | None) -> None:
+def on_train_end(trainer: TrainerLike, error: BaseException | None) -> None:
     """Called once when ``Trainer.fit`` finishes: ``error`` is ``None`` after success, or the
     exception that is about to propagate. Release resources here; do not raise."""
 
 
 @hookspec
-def after_optimizer_step(trainer: Any, model: Any, step: int) -> bool | None:
+def after_optimizer_step(trainer: TrainerLike, model: Any, step: int) -> bool | None:
     """Called after every real optimizer step (a step skipped by the GradScaler does not count)
     with the new global ``step``.
 
@@ -89,24 +92,24 @@ def after_optimizer_step(trainer: Any, model: Any, step: int) -> bool | None:
 
 
 @hookspec
-def on_checkpoint(trainer: Any, state: dict[str, Any]) -> None:
+def on_checkpoint(trainer: TrainerLike, state: dict[str, Any]) -> None:
     """Called while a checkpoint is being assembled. Add this plugin's state under a key of its
     own: ``state["my_plugin"] = {...}``. Values may be tensors, numbers, strings, bools, None,
     and lists/dicts of those; no pickled objects."""
 
 
 @hookspec
-def on_load_checkpoint(trainer: Any, state: dict[str, Any]) -> None:
+def on_load_checkpoint(trainer: TrainerLike, state: dict[str, Any]) -> None:
     """Called on resume, before :func:`on_train_start`, with the mapping that
     :func:`on_checkpoint` filled when the checkpoint was written. Restore your state from your
     own key; a missing key means the checkpoint predates the plugin."""
 
 
 @hookspec
-def on_metric(trainer: Any, event: str, payload: dict[str, Any]) -> None:
+def on_metric(trainer: TrainerLike, event: str, payload: dict[str, Any]) -> None:
     """Receive one metric event of the run ``trainer``: ``"train_start"``, ``"step"``,
     ``"checkpoint"``, ``"train_end"``, ``"optimizer_step_skipped"``, ``"resumed"``,
-    ``"already_finished"``, or a plugin event such as ``"outer_step"``.
+    ``"already_finished"``, ``"stopped"``, or a plugin event such as ``"outer_step"``.
 
     ``payload`` is a mapping of JSON-compatible values that carries ``step`` where one applies;
     do not mutate it. Keep per-run sinks in ``trainer.plugin_state[<your name>]``, so two runs in
@@ -125,10 +128,13 @@ def register_commands(subparsers: Any) -> None:
 
 @hookspec(firstresult=True)
 def data_seed(config: Any, seed: int) -> int | None:
-    """Return a replacement seed for the run's data stream, or ``None`` to keep ``seed``.
+    """Return a seed of this participant's own, or ``None`` to keep ``seed``.
 
-    Lets a plugin give each participant of a multi-node run its own samples (DumbDiLoCo derives
-    it from the node id) without touching the user's config. The first non-``None`` answer wins.
+    Lets a plugin give each participant of a multi-node run its own sample order (DumbDiLoCo
+    derives it from the node id) without touching the user's config: the answer keys every
+    built-in source (the synthetic samples, the shards' shuffle, and an order of the byte-level
+    and tokenized text and of map-style datasets, which a plain run reads in order). Evaluation
+    data is never keyed. The first non-``None`` answer wins.
     """
 
 

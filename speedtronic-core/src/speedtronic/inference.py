@@ -30,6 +30,7 @@ __all__ = [
     "RunTokenizer",
     "TrainedModel",
     "load_trained_model",
+    "non_finite_tensors",
     "read_checkpoint",
     "run_tokenizer",
 ]
@@ -91,9 +92,9 @@ def load_trained_model(
     from speedtronic.plugins import get_plugin_manager
     from speedtronic.registry import build_model_from_hook
 
-    model = build_model_from_hook(config.model.name, **config.model.params)
     step: int | None = None
     if use_global:
+        model = build_model_from_hook(config.model.name, **config.model.params)
         state = get_plugin_manager().hook.load_global_state(config=config, model=model)
         if state is None:
             raise PluginError(
@@ -103,8 +104,9 @@ def load_trained_model(
             )
         source = "the global weights"
     else:
-        loaded = read_checkpoint(config, checkpoint)
+        loaded = read_checkpoint(config, checkpoint)  # a missing one fails before the model
         state, source, step = loaded.state["model"], f"checkpoint {loaded.path}", loaded.step
+        model = build_model_from_hook(config.model.name, **config.model.params)
     from speedtronic.trainer import state_mismatch
 
     mismatch = state_mismatch(model.state_dict(), state)
@@ -113,10 +115,30 @@ def load_trained_model(
             f"{source} does not fit model {config.model.name!r} of this config ({mismatch})"
         )
     model.load_state_dict(state)
+    broken = non_finite_tensors(model)
+    if broken:
+        raise CheckpointError(
+            f"{source} holds NaN or infinite weights (in the model's dtype) in "
+            f"{', '.join(broken[:4])}{' and more' if len(broken) > 4 else ''}: the run diverged "
+            "or the file was damaged; use an earlier checkpoint (--checkpoint PATH)"
+        )
     if device is not None:
         model = model.to(device)
     model.eval()
     return TrainedModel(model=model, source=source, step=step)
+
+
+def non_finite_tensors(model: Any) -> list[str]:
+    """The names of ``model``'s floating parameters holding NaN or infinity (read after
+    loading, so in the model's own dtype: float64 1e300 in a float32 model is infinite).
+    Buffers are left alone: a mask buffer may hold -inf by design."""
+    import torch
+
+    return [
+        name
+        for name, tensor in model.named_parameters()
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())
+    ]
 
 
 @dataclass(frozen=True)

@@ -180,12 +180,15 @@ class ConsoleSink:
 
 
 def live_line(payload: dict[str, Any]) -> str:
-    """The compact line under the bar: loss, lr and tokens/s of the last logged step."""
+    """The compact line under the bar: loss, lr, tokens/s, TFLOP/s and MFU of the last logged
+    step (the last two when the run reports them)."""
     parts = []
     for key, label, spec in (
         ("loss", "loss", ".4f"),
         ("lr", "lr", ".3g"),
         ("tokens_per_sec", "tok/s", ",.0f"),
+        ("tflops", "TFLOP/s", ".3g"),
+        ("mfu", "MFU", ".1%"),
     ):
         value = payload.get(key)
         if isinstance(value, (int, float)) and math.isfinite(value):

@@ -80,6 +80,17 @@ class ParallelContext:
         dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
         return reduced
 
+    def max_each(self, values: list[int]) -> list[int]:
+        """The maximum of each of a few small integers over all ranks, in one collective (how
+        ranks agree on flags: any rank's True is everyone's)."""
+        if not self.enabled:
+            return [int(v) for v in values]
+        import torch.distributed as dist
+
+        tensor = torch.tensor([int(v) for v in values], dtype=torch.int64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return [int(v) for v in tensor.tolist()]
+
     def barrier(self) -> None:
         """Wait until every rank got here."""
         if self.enabled:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from speedtronic.batch import label_mode
-from speedtronic.checkpoint import CheckpointManager
+from speedtronic.checkpoint import CheckpointManager, SavePolicy
 from speedtronic.compile import CompiledModel
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.data import DataSource
@@ -106,8 +106,11 @@ def build_parts(
                 "none and let the optimizer section build it",
                 "parallel.strategy",
             )
+        from speedtronic.flops import meta_shadow
         from speedtronic.fsdp import ShardedRun, shard_model
 
+        # The FLOP count needs the model whole; a meta copy of it costs no memory.
+        shadow = meta_shadow(model)
         # Before the optimizer exists: it must hold the sharded (DTensor) parameters.
         units = shard_model(
             model,
@@ -117,7 +120,7 @@ def build_parts(
             compute_dtype=precision.dtype,
             activation_checkpointing=config.gradient_checkpointing,
         )
-        fsdp = ShardedRun(model, units)
+        fsdp = ShardedRun(model, units, shadow)
     optimizer = build_optimizer(model, config.optimizer, device, optimizer)
     if scheduler is None:
         scheduler = build_scheduler(optimizer, config.scheduler, config.run.max_steps)
@@ -144,7 +147,7 @@ def build_parts(
             parallel=parallel,
             lockstep=fsdp is not None,
         )
-        log.info("eval: %d micro-batches of %s", config.eval.batches, evaluator.description)
+        log.info("eval: %s", evaluator.describe())
     ddp = None
     if parallel.enabled and fsdp is None:
         if ooo is not None:
@@ -170,8 +173,7 @@ def build_parts(
         scaler=_grad_scaler(precision, device, sharded=fsdp is not None),
         optimizer=optimizer,
         scheduler=scheduler,
-        checkpoints=checkpoints
-        or CheckpointManager(config.checkpoint_dir, config.checkpoint.keep_last),
+        checkpoints=_checkpoint_manager(config, checkpoints, parallel, model, optimizer),
         metrics=metric_logger if metric_logger is not None else MetricLogger(),
         plugin_manager=plugin_manager if plugin_manager is not None else get_plugin_manager(),
         compiled=CompiledModel(
@@ -187,6 +189,28 @@ def build_parts(
         fsdp=fsdp,
         accumulation_steps=accumulation,
     )
+
+
+def _checkpoint_manager(
+    config: SpeedtronicConfig,
+    given: CheckpointManager | None,
+    parallel: ParallelContext,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+) -> CheckpointManager:
+    """The run's manager: a given one keeps its directory and retention but saves when the
+    config's ``checkpoint`` section says, among this run's ranks; with ``parallel.strategy:
+    fsdp`` (on one process too, so the layout does not depend on the launcher) it writes
+    sharded DCP checkpoints."""
+    policy = SavePolicy.from_config(config.checkpoint)
+    manager = given or CheckpointManager(config.checkpoint_dir, config.checkpoint.keep_last)
+    manager.policy, manager.parallel = policy, parallel
+    manager.sharded_writer = None
+    if config.parallel.strategy == "fsdp":
+        from speedtronic.checkpoint.dcp import ShardedWriter
+
+        manager.sharded_writer = ShardedWriter(model, optimizer)
+    return manager
 
 
 def accumulation_steps(config: SpeedtronicConfig, world_size: int = 1) -> int:

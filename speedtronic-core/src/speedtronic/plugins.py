@@ -35,6 +35,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "KNOWN_PROVIDERS",
     "LOAD_PLUGINS_ENV",
+    "PROVIDED_EXTRAS",
     "PROVIDED_MODELS",
     "PROVIDED_SECTIONS",
     "FailedPlugin",
@@ -78,6 +79,8 @@ PROVIDED_MODELS: dict[str, str] = {
 }
 # Both tables in one, for look-ups that only need "who provides this key".
 KNOWN_PROVIDERS: dict[str, str] = {**PROVIDED_SECTIONS, **PROVIDED_MODELS}
+# The extra of that distribution a key needs besides it (the backend library).
+PROVIDED_EXTRAS: dict[str, str] = {"wandb": "wandb", "tensorboard": "tensorboard"}
 
 pm = pluggy.PluginManager("speedtronic")
 pm.add_hookspecs(hookspecs)
@@ -255,15 +258,32 @@ def unregister(name: str) -> None:
     _plugin_distributions.pop(name, None)
 
 
+def _checkout_folder(distribution: str) -> Path | None:
+    """The folder of ``distribution`` in a Speedtronic source checkout: the one the working
+    directory is in (core may be installed from it without being editable), else the one this
+    core runs from; None outside any checkout."""
+    here = Path.cwd().resolve()
+    for root in (here, *here.parents, Path(__file__).resolve().parents[3]):
+        project = root / distribution / "pyproject.toml"
+        if not (root / CORE_DISTRIBUTION / "pyproject.toml").is_file() or not project.is_file():
+            continue
+        try:
+            named = f'name = "{distribution}"' in project.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if named:
+            return root / distribution
+    return None
+
+
 def install_command(distribution: str, extra: str = "") -> str:
     """How to install a first-party ``distribution`` (with ``extra``, e.g. ``"wandb"``): from
-    the source checkout this core runs from, when there is one (the distributions are not on
-    PyPI yet), else by name."""
+    the source checkout the working directory is in or this core runs from, when there is one
+    (the distributions are not on PyPI yet), else by name."""
     suffix = f"[{extra}]" if extra else ""
     by_name = f"pip install '{distribution}{suffix}'" if extra else f"pip install {distribution}"
-    checkout = Path(__file__).resolve().parents[3]
-    folder = checkout / distribution
-    if not (folder / "pyproject.toml").is_file():
+    folder = _checkout_folder(distribution)
+    if folder is None:
         return by_name
     try:
         shown = f"./{folder.relative_to(Path.cwd().resolve())}"
@@ -302,7 +322,7 @@ def missing_provider_hint(key: str) -> str:
                 f" (expected from {dist}, but the installed version {version} does not provide "
                 f"it; pip install --upgrade {dist})"
             )
-        return f" (provided by {dist}: {install_command(dist)})"
+        return f" (provided by {dist}: {install_command(dist, PROVIDED_EXTRAS.get(key, ''))})"
     same_name = _failures.get(key)
     if same_name is not None:
         return (
@@ -341,10 +361,6 @@ def provided_by(name: str, plugin: Any, hooks: tuple[str, ...]) -> tuple[str, ..
     import argparse
 
     provides = [f"model {model}" for model in getattr(plugin, "MODEL_NAMES", ())]
-    if name == "speedtronic.registry":
-        from speedtronic.registry import registered_models
-
-        provides += [f"model {model}" for model in registered_models()]
     others = [p for p in pm.get_plugins() if p is not plugin]
 
     def ignore(plugin_name: str, exc: Exception) -> None:

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from speedtronic.errors import ConfigError, PluginError
 from speedtronic.hookspecs import hookimpl
+from speedtronic.schema import suggest_key
 
 __all__ = [
     "IMPORT_PATH",
@@ -60,6 +61,14 @@ def unregister_model(name: str) -> None:
 def registered_models() -> list[str]:
     """Names registered in-process with :func:`register_model`."""
     return sorted(_FACTORIES)
+
+
+def __getattr__(name: str) -> Any:
+    # This module is a plugin (plugins.DEFAULT_PLUGINS) and, like any plugin, lists the model
+    # names it answers for in MODEL_NAMES; here the list changes as models are registered.
+    if name == "MODEL_NAMES":
+        return tuple(registered_models())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @hookimpl
@@ -118,8 +127,8 @@ def _check_params(name: str, factory: Callable[..., Any], params: dict[str, Any]
         unexpected = [key for key in params if key not in accepted]
         if unexpected and not any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
             key = unexpected[0]
-            close = difflib.get_close_matches(key, accepted, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            close = suggest_key(key, accepted)
+            hint = f"; did you mean {close!r}?" if close else ""
             raise ConfigError(
                 f"model {name!r} takes no parameter {key!r}{hint} "
                 f"(it takes: {', '.join(accepted) or 'nothing'})",

@@ -25,8 +25,10 @@ from speedtronic.metrics import ConsoleSink, JsonlSink, MetricLogger, TextFileSi
 from speedtronic.parallel import SINGLE_PROCESS, init_parallel
 from speedtronic.parts import build_parts, model_limits
 from speedtronic.plugins import get_plugin_manager
+from speedtronic.preflight import check_before_building
 from speedtronic.registry import build_model_from_hook, import_factory
 from speedtronic.shape_advice import warn_shape_advice
+from speedtronic.threads import apply_threads
 from speedtronic.trainer import Trainer, TrainResult
 
 __all__ = [
@@ -65,14 +67,15 @@ def seed_everything(seed: int) -> None:
 def build_metric_logger(
     config: SpeedtronicConfig, hooks: Iterable[Any] = (), console: bool = True
 ) -> MetricLogger:
-    """stdout, optional text/JSONL files, ``logging.hooks`` and ``hooks``."""
+    """stdout, the JSONL metrics file (:attr:`SpeedtronicConfig.metrics_file`), an optional
+    text file, ``logging.hooks`` and ``hooks``."""
     sinks: list[Any] = []
     if console:
         sinks.append(ConsoleSink(config.run.max_steps, progress=config.logging.progress))
     if config.logging.file:
         sinks.append(TextFileSink(config.logging.file))
-    if config.logging.json_file:
-        sinks.append(JsonlSink(config.logging.json_file))
+    if config.metrics_file is not None:
+        sinks.append(JsonlSink(config.metrics_file))
     sinks.extend(import_hook(path) for path in config.logging.hooks)
     sinks.extend(hooks)
     return MetricLogger(sinks)
@@ -187,19 +190,24 @@ def build_runtime(
     """
     config = SpeedtronicConfig.load(config)
     logging.getLogger("speedtronic").setLevel(config.logging.level)
-    if config.run.threads is not None:
-        torch.set_num_threads(config.run.threads)  # a process setting: before any work
+    check_before_building(
+        config, own_data=dataset is not None, own_eval_data=eval_dataset is not None
+    )
+    apply_threads(config.run.threads)  # a process setting: before any work
     pm = get_plugin_manager()
     parallel = init_parallel(config.parallel, config.run.device)
     if not parallel.is_main:  # rank 0 speaks for the run; the others only warn
         level = max(logging.WARNING, logging.getLevelName(config.logging.level))
         logging.getLogger("speedtronic").setLevel(level)
     seed_everything(config.run.seed)
+    # Tile-size advice is for CUDA: where the model will not run on one, it stays quiet.
+    on_gpu = config.run.device in ("auto", "cuda") and torch.cuda.is_available()
+    device = parallel.device or ("cuda" if on_gpu else config.run.device.replace("auto", "cpu"))
     if model is None:
         model = build_model_from_hook(config.model.name, **config.model.params)
-        warn_shape_advice(model, config.model.params)
+        warn_shape_advice(model, config.model.params, device)
     else:
-        warn_shape_advice(model)
+        warn_shape_advice(model, device=device)
     seed = config.data_seed
     adjusted = pm.hook.data_seed(config=config, seed=seed)
     rank, num_ranks = data_rank(config, parallel)
@@ -210,11 +218,12 @@ def build_runtime(
         dataset,
         tokenizer,
         **model_limits(model, config.model.params),
-        seed=adjusted if adjusted is not None else seed,
+        seed=seed,
         rank=rank,
         num_ranks=num_ranks,
+        participant_seed=adjusted,
     )
-    log.info("data: %s", data.description)
+    log.info("data: %s; split: %s", data.description, data.split or "not split")
     # Under DDP, rank 0 alone prints and writes metric files.
     metrics = build_metric_logger(config, hooks, console) if parallel.is_main else MetricLogger()
     try:

@@ -18,7 +18,7 @@ import operator
 import re
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal, Union
 
 from speedtronic.errors import ConfigError
@@ -34,7 +34,9 @@ __all__ = [
     "may_hold_secret",
     "option",
     "section_to_dict",
+    "suggest_key",
     "unknown_key_error",
+    "without_secrets",
 ]
 
 _TRUE = {"true", "yes", "on", "1"}
@@ -98,7 +100,27 @@ class Section:
             object.__setattr__(self, field.name, value)
         validate = getattr(self, "validate", None)
         if validate is not None:
-            validate()
+            try:
+                validate()
+            except ConfigError as exc:
+                secrets = [getattr(self, f.name) for f in fields if f.metadata.get("secret")]
+                raise without_secrets(exc, secrets) from None
+
+
+def without_secrets(error: ConfigError, secrets: Iterable[Any]) -> ConfigError:
+    """``error`` with every occurrence of a secret value (a non-empty string among
+    ``secrets``) in its message replaced by ``<redacted>``: a credential put into another
+    field is never echoed back by that field's check."""
+    message = error.message
+    for secret in secrets:
+        if not isinstance(secret, str) or not secret.strip():
+            continue
+        # As given, and as repr() shows it (escaped backslashes and quotes).
+        for shown in (secret, repr(secret)[1:-1]):
+            message = message.replace(shown, REDACTED)
+    if message == error.message:
+        return error
+    return ConfigError(message, error.path)
 
 
 _SECRET_NAME = re.compile(r"token|secret|passw|api_?key|credential|auth", re.IGNORECASE)
@@ -153,11 +175,68 @@ def build_section(cls: type, data: Any, path: str) -> Any:
         raise exc.under(path) from None
 
 
+# Names other trainers use for a key, mapped to ours; suggested only where ours is known.
+KEY_SYNONYMS: dict[str, tuple[str, ...]] = {
+    "learning_rate": ("lr",),
+    "batch_size": ("micro_batch_size",),
+    "train_batch_size": ("target_batch_size", "micro_batch_size"),
+    "gradient_accumulation_steps": ("target_batch_size",),
+    "max_iters": ("max_steps",),
+    "num_steps": ("max_steps",),
+    "steps": ("max_steps",),
+    "warmup": ("warmup_steps",),
+    "warmup_iters": ("warmup_steps",),
+    "clip_grad": ("grad_clip",),
+    "max_grad_norm": ("grad_clip",),
+    "block_size": ("max_seq_len", "seq_len"),
+    "context_length": ("max_seq_len", "seq_len"),
+    "n_embd": ("d_model",),
+    "hidden_size": ("d_model",),
+    "num_layers": ("n_layer",),
+    "n_layers": ("n_layer",),
+    "num_heads": ("n_head",),
+    "n_heads": ("n_head",),
+    "eval_interval": ("every",),
+    "interval": ("every",),
+    "eval_iters": ("batches",),
+    "dtype": ("mode",),
+    "out_dir": ("output_dir",),
+}
+
+
+def _initials(name: str) -> str:
+    return "".join(part[0] for part in name.split("_") if part)
+
+
+def suggest_key(key: str, known: list[str]) -> str | None:
+    """The known key a mistyped or foreign ``key`` most likely meant, or None: a synonym from
+    another trainer (``learning_rate`` -> ``lr``), a close spelling, an abbreviation
+    (``wd`` -> ``weight_decay``) or a name one contains (``batch_size`` in
+    ``micro_batch_size``). Every config section suggests through this one function."""
+    for candidate in KEY_SYNONYMS.get(key.lower(), ()):
+        if candidate in known:
+            return candidate
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    if close:
+        return close[0]
+    lowered = key.lower()
+    for name in known:
+        if ("_" in name and _initials(name) == lowered) or ("_" in key and _initials(key) == name):
+            return name
+    if len(lowered) >= 4:
+        contained = [
+            name for name in known if lowered in name or (len(name) >= 4 and name in lowered)
+        ]
+        if len(contained) == 1:
+            return contained[0]
+    return None
+
+
 def unknown_key_error(key: str, known: list[str], path: str, hint: str = "") -> ConfigError:
     """The error for an unknown key, with a "did you mean" suggestion when one is close."""
     where = f"{path}.{key}" if path else key
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-    suggestion = f"; did you mean {close[0]!r}?" if close else ""
+    close = suggest_key(key, known)
+    suggestion = f"; did you mean {close!r}?" if close else ""
     return ConfigError(f"unknown key{suggestion}{hint}", where)
 
 

@@ -115,14 +115,22 @@ def shape_advice(
 
 
 def warn_shape_advice(
-    model: nn.Module, model_params: Mapping[str, Any] | None = None
+    model: nn.Module, model_params: Mapping[str, Any] | None = None, device: Any = None
 ) -> list[ShapeAdvice]:
     """Log one warning listing :func:`shape_advice` for ``model`` (nothing if all is well).
 
     ``model_params`` is the config's ``model`` section when the model was built from it.
+    ``device`` is where the model will run: tensor-core tiling is GPU advice, so for any
+    device other than CUDA the list is logged at debug level only.
     """
     advice = shape_advice(model, model_params)
-    if advice:
+    if advice and device is not None and getattr(device, "type", device) != "cuda":
+        log.debug(
+            "model sizes that would tile poorly on GPU tensor cores (not shown on %s): %s",
+            getattr(device, "type", device),
+            "; ".join(item.describe() for item in advice),
+        )
+    elif advice:
         log.warning(
             "model sizes that tile poorly on GPU tensor cores (not multiples of %d; advisory, "
             "the model is unchanged, and padding may not speed up a small model): %s",

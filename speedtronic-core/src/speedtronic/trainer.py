@@ -29,17 +29,25 @@ from speedtronic.batch import (
     loss_of,
     move_to,
 )
-from speedtronic.checkpoint import CheckpointManager, checkpoint_name, rng_state, set_rng_state
-from speedtronic.checkpoint.dcp import load_sharded_weights, save_sharded_checkpoint
-from speedtronic.checkpoint.fileio import probe_writable
+from speedtronic.checkpoint import (
+    CheckpointManager,
+    SavedCheckpoint,
+    checkpoint_name,
+    rng_state,
+    set_rng_state,
+)
+from speedtronic.checkpoint.dcp import load_sharded_weights
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.data import DataSource, repeat_epochs
 from speedtronic.errors import CheckpointError, DataError, SpeedtronicError
+from speedtronic.flops import FlopsReport, measure_run_flops
 from speedtronic.fsdp import load_full_model_state, load_optimizer_state
 from speedtronic.metrics import MetricLogger, ThroughputMeter, process_memory_mb
 from speedtronic.optim import reset_optimizer_state
 from speedtronic.parts import TrainingParts, build_parts
 from speedtronic.plugins import call_each
+from speedtronic.profiling import StepProfiler, build_profiler
+from speedtronic.stopping import StopRequest, StopSignals
 
 __all__ = [
     "MAX_CONSECUTIVE_SKIPS",
@@ -64,6 +72,10 @@ class TrainResult:
     elapsed_s: float = 0.0
     resumed_from: int | None = None
     summary: dict[str, Any] = field(default_factory=dict)
+    stopped: bool = False
+    """True when the run stopped early (a stop signal or ``request_stop()``), checkpointed."""
+    stop_signal: int | None = None
+    """The signal that stopped it; the CLI exits with 128 + this number."""
 
 
 # The keys of a `step` event; a model-returned metric of the same name is logged as model/<name>.
@@ -76,6 +88,8 @@ STEP_KEYS = frozenset(
         "steps_per_sec",
         "samples_per_sec",
         "tokens_per_sec",
+        "tflops",
+        "mfu",
         "memory_mb",
         "samples",
         "tokens",
@@ -215,7 +229,7 @@ class Trainer:
         # The lowest eval loss so far and its step (checkpoint.keep_best); checkpointed.
         self.best_eval: tuple[float, int] | None = None
         self._last_eval_step: int | None = None
-        self._last_saved_step: int | None = None
+        self._stop = StopRequest()
         self.accumulation_steps = parts.accumulation_steps
         self.parallel = parts.parallel
         self.ddp = parts.ddp
@@ -232,6 +246,11 @@ class Trainer:
         self._resumed_rng: dict[str, Any] | None = None
         self._step_aux: dict[str, torch.Tensor] = {}
         self._consecutive_skips = 0
+        # Optimizer steps in a row whose loss was not finite (a device scalar; run.max_nan_steps).
+        self._nan_steps = torch.zeros((), dtype=torch.int64)
+        # Counted at train start (speedtronic.flops); the profiler window, when configured.
+        self.flops = FlopsReport(parameters=0)
+        self.profiler: StepProfiler | None = None
 
     # ------------------------------------------------------------------ events
     def emit(self, event: str, payload: dict[str, Any]) -> None:
@@ -344,59 +363,40 @@ class Trainer:
             ) from exc
 
     def save_checkpoint(self) -> Path:
-        """Durably write a checkpoint of the current state; returns its directory.
+        """Durably write a checkpoint of the current state now; returns its directory.
 
         A failed save (disk full, I/O error) is retried once after
         ``checkpoint.save_retry_pause`` seconds; a second failure raises
         :class:`CheckpointError`, with the previous checkpoints intact and this trainer's state
         still in memory (a caller may free space and call this again)."""
+        saved = self.checkpoints.save_now(self.step, self._checkpoint_state)
+        self._report_saved([saved])
+        return saved.path
+
+    def request_stop(self) -> None:
+        """Stop the run after the optimizer step in progress, with a checkpoint at that step,
+        as a stop signal does (safe to call from another thread or a hook)."""
+        self._stop.request()
+
+    def _checkpoint_state(self) -> dict[str, Any]:
         state = self.state_dict()
-        if self.config.parallel.strategy == "fsdp":
-            # Sharded: each rank writes its shards of a DCP checkpoint (checkpoint/dcp.py).
-            if self.parallel.enabled:
-                state["rng_per_rank"] = self.parallel.gather(state["rng"])
-            path = save_sharded_checkpoint(
-                self.checkpoints,
-                self.step,
-                state,
-                self.model,
-                self.optimizer,
-                self.parallel,
-                retry_pause=self.config.checkpoint.save_retry_pause,
-            )
-        elif self.parallel.enabled:
+        if self.parallel.enabled:
             # Every rank's generators, so a resume with the same world size continues each
-            # rank exactly; rank 0 alone writes, the others wait for it.
+            # rank exactly (a collective: every rank builds the state; rank 0 writes it, or under
+            # FSDP every rank its own shards).
             state["rng_per_rank"] = self.parallel.gather(state["rng"])
-            problem = None
-            if self.parallel.is_main:
-                try:
-                    self._save_with_retry(state)
-                except CheckpointError as exc:
-                    problem = str(exc)
-            problem = self.parallel.broadcast(problem)
-            if problem:
-                raise CheckpointError(problem)
-            path = self.checkpoints.directory / checkpoint_name(self.step)
-        else:
-            path = self._save_with_retry(state)
-        log.debug("checkpoint at step %d: %s", self.step, path)
-        self._last_saved_step = self.step
-        self.emit("checkpoint", {"step": self.step, "path": str(path)})
-        return path
+        return state
+
+    def _report_saved(self, saved: list[SavedCheckpoint]) -> None:
+        for checkpoint in saved:
+            log.debug("checkpoint at step %d: %s", checkpoint.step, checkpoint.path)
+            self.emit("checkpoint", {"step": checkpoint.step, "path": str(checkpoint.path)})
 
     def _resume(self) -> None:
         """Load the newest usable checkpoint; no checkpoint at all means a fresh start."""
-        try:
-            # A sharded checkpoint's weights stay on disk here: each rank loads its shards.
-            loaded = self.checkpoints.load_latest(check=check_trainer_state, weights=False)
-        except CheckpointError as exc:
-            if not self.config.checkpoint.allow_fresh_start:
-                raise
-            log.warning("%s; starting fresh because checkpoint.allow_fresh_start is set", exc)
-            return
+        # A sharded checkpoint's weights stay on disk here: each rank loads its own shards.
+        loaded = self.checkpoints.resume_point(check=check_trainer_state, weights=False)
         if loaded is None:
-            log.info("no checkpoint in %s yet; starting fresh", self.checkpoints.directory)
             return
         self.load_state_dict(loaded.state, shards=loaded.shards)
         self.resumed_from = loaded.step
@@ -414,59 +414,6 @@ class Trainer:
         if self._resumed_rng is not None:
             set_rng_state(self._resumed_rng)
             self._resumed_rng = None
-
-    def _save_with_retry(self, state: dict[str, Any]) -> Path:
-        try:
-            return self.checkpoints.save(self.step, state)
-        except CheckpointError as exc:
-            pause = self.config.checkpoint.save_retry_pause
-            log.warning("%s; retrying once in %.0f s", exc, pause)
-            time.sleep(pause)
-            return self.checkpoints.save(self.step, state)
-
-    def _checked_on_main(self, check: Any) -> None:
-        """Run a check of the checkpoint directory on rank 0 only (other ranks would race its
-        writes) and fail every rank with its error."""
-        problem = None
-        if self.parallel.is_main:
-            try:
-                check()
-            except CheckpointError as exc:
-                if not self.parallel.enabled:
-                    raise
-                problem = str(exc)
-        problem = self.parallel.broadcast(problem)
-        if problem:
-            raise CheckpointError(problem)
-
-    def _check_checkpoints_writable(self) -> None:
-        """Find an unwritable checkpoint directory now, not at the final save of a long run."""
-        config = self.config.checkpoint
-        if not (config.interval or config.save_final):
-            return
-        try:
-            probe_writable(self.checkpoints.directory)
-        except OSError as exc:
-            raise CheckpointError(
-                f"cannot write checkpoints to {self.checkpoints.directory} "
-                f"({exc.strerror or exc}); fix its permissions or free space, or point "
-                "checkpoint.directory / run.output_dir elsewhere"
-            ) from None
-
-    def _refuse_to_overwrite_checkpoints(self) -> None:
-        """A fresh run never overwrites another run's checkpoints: it would replace their
-        ``latest.json`` and same-numbered steps."""
-        config = self.config.checkpoint
-        if not (config.interval or config.save_final) or self.step:
-            return  # nothing to write, or this trainer continuing its own run in memory
-        existing = self.checkpoints.candidates()
-        if existing:
-            raise CheckpointError(
-                f"{self.checkpoints.directory} already holds checkpoints (up to "
-                f"{existing[0].name}) from an earlier run; pass --resume "
-                "(checkpoint.resume: true) to continue it, or choose another --output-dir "
-                "(run.output_dir) for a new run, or delete that directory to start over"
-            )
 
     # ------------------------------------------------------------------ loop
     def _batches(self) -> Iterator[Any]:
@@ -567,34 +514,31 @@ class Trainer:
         return self.scaler.get_scale() >= scale_before, grad_norm
 
     def fit(self) -> TrainResult:
-        """Train until ``run.max_steps`` (a global target: a resumed run continues to it)."""
+        """Train until ``run.max_steps`` (a global target: a resumed run continues to it), or
+        until a stop signal or :meth:`request_stop` (a checkpoint at the last step, then
+        ``TrainResult.stopped``)."""
         # Not emptied here: a Python caller may have restored plugins' state with
         # load_state_dict() before calling fit().
         try:
-            return self._fit()
+            try:
+                return self._fit()
+            finally:
+                self.checkpoints.close()  # a background write is never left half done
+                self.metrics.close()
         finally:
             self.plugin_state = {}
 
     def _fit(self) -> TrainResult:
         self.model.train()
         if self.config.checkpoint.resume:
-            try:
-                self._resume()
-            except BaseException:
-                self.metrics.close()
-                raise
+            self._resume()
         else:
-            try:
-                self._checked_on_main(self._refuse_to_overwrite_checkpoints)
-            except BaseException:
-                self.metrics.close()
-                raise
+            self.checkpoints.refuse_to_overwrite(self.step)
         max_steps = self.config.run.max_steps
         if self.step >= max_steps:
             message = f"run already finished: step {self.step} >= run.max_steps {max_steps}"
             log.info(message)
             self.emit("already_finished", {"step": self.step, "max_steps": max_steps})
-            self.metrics.close()
             return TrainResult(
                 self.step,
                 None,
@@ -603,17 +547,21 @@ class Trainer:
                 resumed_from=self.resumed_from,
                 summary={"message": message},
             )
-        try:
-            self._checked_on_main(self._check_checkpoints_writable)
-        except BaseException:
-            self.metrics.close()
-            raise
+        self.checkpoints.start_run()
 
         error: BaseException | None = None
         started = time.perf_counter()
         final_loss: float | None = None
         try:
             self.plugin_manager.hook.on_train_start(trainer=self)
+            self.flops = measure_run_flops(self)
+            self.profiler = build_profiler(
+                self.config.profile,
+                self.config.output_dir,
+                self.device,
+                self.parallel.rank,
+                self.parallel.is_main,
+            )
             self.emit(
                 "train_start",
                 {
@@ -621,21 +569,34 @@ class Trainer:
                     "start_step": self.step,
                     "max_steps": max_steps,
                     "device": self.device.type,
+                    "threads": torch.get_num_threads(),
                     "precision": self.precision.mode,
                     "accumulation_steps": self.accumulation_steps,
                     "compiled": self.compiled.active,
+                    **self.flops.start_fields(),
+                    "data": {
+                        "source": getattr(self.data, "description", type(self.data).__name__),
+                        "split": getattr(self.data, "split", "") or "not split",
+                    },
                     "config": self.config.to_dict(redact=True),
                 },
             )
-            final_loss = self._loop(max_steps)
-            if self.config.checkpoint.save_final and self._last_saved_step != self.step:
-                self.save_checkpoint()
-            if self.config.eval.runs_at_end and self._last_eval_step != self.step:
-                self.evaluate()
+            with StopSignals(self.config.run.stop_signals, self._stop):
+                final_loss = self._loop(max_steps)
+                if not self._stop.agreed:
+                    self._report_saved(
+                        self.checkpoints.maybe_save(self.step, self._checkpoint_state, final=True)
+                    )
+                    if self.config.eval.runs_at_end and self._last_eval_step != self.step:
+                        self.evaluate()
+                # Never return (nor exit 0) with a checkpoint still being written.
+                self._report_saved(self.checkpoints.wait())
         except BaseException as exc:
             error = exc
             raise
         finally:
+            if self.profiler is not None:
+                self.profiler.close()
             elapsed = time.perf_counter() - started
             summary = {
                 "steps": self.step,
@@ -646,20 +607,19 @@ class Trainer:
                 "weights_replaced": self.weights_replaced,
                 "status": "ok" if error is None else f"error: {type(error).__name__}",
             }
+            if error is None and self._stop.agreed:
+                summary["status"] = "stopped"
             # train_end goes out before the hooks so that sinks closing in on_train_end
             # still record the summary.
             self.emit("train_end", summary)
-            try:
-                # Every plugin gets to release its resources, even when another one raises.
-                call_each(
-                    self.plugin_manager.hook.on_train_end,
-                    {"trainer": self, "error": error},
-                    lambda name, exc: log.error(
-                        "plugin %r failed in on_train_end (%s: %s)", name, type(exc).__name__, exc
-                    ),
-                )
-            finally:
-                self.metrics.close()
+            # Every plugin gets to release its resources, even when another one raises.
+            call_each(
+                self.plugin_manager.hook.on_train_end,
+                {"trainer": self, "error": error},
+                lambda name, exc: log.error(
+                    "plugin %r failed in on_train_end (%s: %s)", name, type(exc).__name__, exc
+                ),
+            )
         return TrainResult(
             self.step,
             final_loss,
@@ -668,11 +628,32 @@ class Trainer:
             elapsed,
             self.resumed_from,
             summary,
+            stopped=self._stop.agreed,
+            stop_signal=self._stop.signal,
         )
 
-    def _saved_at(self, step: int) -> bool:
-        interval = self.config.checkpoint.interval
-        return bool(interval) and step % interval == 0
+    def _stop_now(self) -> None:
+        """The ranks agreed to stop after this step: save it, wait for the write, say so."""
+        by = self._stop.reason
+        if self.checkpoints.policy.writes:
+            saved = self.checkpoints.maybe_save(self.step, self._checkpoint_state, force=True)
+            self._report_saved(saved + self.checkpoints.wait())
+            path: str | None = str(self.checkpoints.directory / checkpoint_name(self.step))
+            log.info(
+                "stopped by %s at step %d; checkpoint saved to %s; resume with --resume",
+                by,
+                self.step,
+                path,
+            )
+        else:
+            path = None
+            log.info(
+                "stopped by %s at step %d; no checkpoint (checkpoint.interval is 0 and "
+                "save_final is false)",
+                by,
+                self.step,
+            )
+        self.emit("stopped", {"signal": self._stop.signal_name, "step": self.step, "path": path})
 
     def _loop(self, max_steps: int) -> float | None:
         log_every = self.config.logging.log_every
@@ -681,7 +662,10 @@ class Trainer:
         meter = ThroughputMeter(self.device)
         world = self.parallel.world_size
         last_loss: float | None = None
+        profiler = self.profiler
         while self.step < max_steps:
+            if profiler is not None:
+                profiler.step_begins(self.step + 1)
             micro = self._next_micro_batches(batches)
             step_loss = self._step_loss(micro)
             will_log = (self.step + 1) % log_every == 0 or self.step + 1 == max_steps
@@ -703,6 +687,7 @@ class Trainer:
             self.scheduler.step()
             self.step += 1
             meter.count_step(step_loss, self._step_aux)
+            self._count_nan_step(step_loss)
             self.metrics.progress(self.step)
 
             replaced = self.plugin_manager.hook.after_optimizer_step(
@@ -717,6 +702,7 @@ class Trainer:
                 last_loss = self.last_loss = meter.mean_loss(self.parallel.mean)
                 if not math.isfinite(last_loss):
                     log.warning("the loss is %s at step %d", last_loss, self.step)
+                rates = meter.rates()
                 self.emit(
                     "step",
                     {
@@ -724,7 +710,8 @@ class Trainer:
                         "loss": last_loss,
                         "lr": float(self.optimizer.param_groups[0]["lr"]),
                         "grad_norm": float(grad_norm.item()) if grad_norm is not None else None,
-                        **meter.rates(),
+                        **rates,
+                        **self.flops.rates(rates["tokens_per_sec"]),
                         "memory_mb": process_memory_mb(self.device),
                         "samples": self.samples_seen,
                         "tokens": self.tokens_seen,
@@ -732,14 +719,19 @@ class Trainer:
                     },
                 )
                 meter.reset()
-            if self._saved_at(self.step):
-                # Checkpoint time is not training time: keep it out of the step rates.
-                with meter.paused():
-                    self.save_checkpoint()
+            # Checkpoint time is not training time: keep it out of the step rates.
+            with meter.paused():
+                self._report_saved(self.checkpoints.maybe_save(self.step, self._checkpoint_state))
             every = self.config.eval.every
             if self.evaluator is not None and every and self.step % every == 0:
                 with meter.paused():  # nor is evaluation
                     self.evaluate()
+            if profiler is not None and (trace := profiler.step_ended(self.step)) is not None:
+                self.emit("profile", {"step": self.step, "path": str(trace)})
+            if self._stop.agree(self.parallel):
+                with meter.paused():
+                    self._stop_now()
+                break
         return last_loss
 
     def evaluate(self) -> Any:
@@ -755,12 +747,35 @@ class Trainer:
             self.best_eval is None or result.loss < self.best_eval[0]
         ):
             self.best_eval = (result.loss, self.step)
-            if self._last_saved_step != self.step:
+            if self.checkpoints.last_saved_step != self.step:
                 self.save_checkpoint()
+            else:
+                self._report_saved(self.checkpoints.wait())  # best.json names complete ones
             if self.parallel.is_main:
                 self.checkpoints.mark_best(self.step, result.loss)
             log.info("best eval loss so far: %.4f at step %d", result.loss, self.step)
         return result
+
+    def _count_nan_step(self, loss: torch.Tensor) -> None:
+        """Count optimizer steps in a row with a non-finite loss (on the device: no sync), and
+        stop the run once ``run.max_nan_steps`` failed in a row. The count is read every
+        half of that (one host sync, not one per step); every rank reads it at the same
+        step, as the mean of the ranks' counts, so all stop together."""
+        limit = self.config.run.max_nan_steps
+        if not limit:
+            return
+        finite = torch.isfinite(loss.detach())
+        self._nan_steps = torch.where(finite, 0, self._nan_steps.to(loss.device) + 1)
+        if self.step % max(1, limit // 2):
+            return
+        count = float(self.parallel.mean(self._nan_steps.float()).item())
+        if count >= limit:
+            raise SpeedtronicError(
+                f"the loss was NaN or infinite for the last {int(count)} optimizer steps (step "
+                f"{self.step}; run.max_nan_steps is {limit}): training has diverged or the "
+                "weights are not finite (lower optimizer.lr, add optimizer.grad_clip, try "
+                "precision.mode fp32, or check the data and init_from weights)"
+            )
 
     def _skipped_step(self) -> None:
         """Report a GradScaler overflow; the step, scheduler and plugins do not advance."""

@@ -20,7 +20,7 @@ _LAZY = {
     "DumbDiLoCoCoordinator": "speedtronic_diloco.coordinator",
     "DumbDiLoCo": "speedtronic_diloco.coordinator",
     "SyncResult": "speedtronic_diloco.coordinator",
-    "MasterOuterLoop": "speedtronic_diloco.outer",
+    "MasterOuterLoop": "speedtronic_diloco.master.loop",
 }
 
 __all__ = [

@@ -30,9 +30,10 @@ the delta's own entries (``node_id``, ``local_step``, ...): ``codec`` (``bf16``/
 form (``raw``, ``bf16``, ``int8``, ``int4``), original dtype and shape. Tensor ``name`` holds the
 payload (int8: same shape as the delta; int4: ``ceil(n / 2)`` uint8; bf16/raw: the values) and
 ``name::scale`` the block scales. A file without ``codec`` is a plain delta. :func:`decode_delta`
-checks everything (codec, version, parameters, the exact tensor set, dtypes, sizes, finite
-non-negative scales) and raises :class:`CodecError` on the first problem; the master turns that
-into a rejection naming the file.
+checks everything (codec, version, parameters, every tensor's kind against the codec, the exact
+tensor set, dtypes, sizes, finite non-negative scales, integers within ``[-qmax, qmax]``) and
+raises :class:`CodecError` on the first problem; the master turns that into a rejection naming
+the file.
 
 **Error feedback** (as in 1-bit Adam, EF21 and LoCo): :class:`ErrorFeedback` keeps the residual
 ``r = x - decode(encode(x))`` of the last upload in float32 and adds it to the next delta
@@ -230,6 +231,18 @@ def _quantise(
     return payload, stored
 
 
+def _check_range(name: str, payload: torch.Tensor, kind: str, count: int) -> None:
+    """The encoder writes integers in the symmetric range ``[-qmax, qmax]`` only: int8 -128
+    and the int4 nibble 0 (-8) come from no encoder, so a file holding them is malformed."""
+    if kind == "int8":
+        if payload.numel() and int(payload.min()) < -_QMAX["int8"]:
+            raise CodecError(f"{name}: int8 value -128 is outside the symmetric range")
+        return
+    nibbles = torch.stack([payload & 0x0F, payload >> 4], dim=1).reshape(-1)[:count]
+    if nibbles.numel() and int(nibbles.min()) == 0:
+        raise CodecError(f"{name}: int4 nibble 0 (-8) is outside the symmetric range")
+
+
 def _dequantise(
     payload: torch.Tensor,
     scale: torch.Tensor,
@@ -352,11 +365,13 @@ def decode_delta(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str
     names the first problem."""
     if not is_compressed(metadata):
         return dict(tensors)
-    _, block, scales, manifest = _parse_params(metadata)
+    codec, block, scales, manifest = _parse_params(metadata)
     expected: set[str] = set()
     out: TensorDict = {}
     for name, entry in manifest.items():
         kind, dtype, shape = _parse_entry(name, entry)
+        if kind not in ("raw", codec):
+            raise CodecError(f"{name}: stored as {kind} in a {codec} file")
         count = math.prod(shape)
         payload = tensors.get(name)
         if payload is None:
@@ -389,6 +404,7 @@ def decode_delta(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str
             )
         if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
             raise CodecError(f"{name}: non-finite or negative scales")
+        _check_range(name, payload, kind, count)
         out[name] = _dequantise(payload, scale, kind, shape, dtype, block)
     extra = sorted(set(tensors) - expected)
     if extra:

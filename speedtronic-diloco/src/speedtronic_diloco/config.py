@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any, Literal
 from speedtronic.errors import ConfigError
 from speedtronic.schema import Section, build_section, option
 from speedtronic_diloco.identity import validate_node_id
+from speedtronic_diloco.signing import KEY_ENV
 
 __all__ = [
     "DEFAULT_STATE_DIR",
@@ -277,6 +279,17 @@ class DistributedConfig(Section):
     )
 
     def validate(self) -> None:
+        # The node id names the node's files in the store and the repo id is in every log
+        # line about the store: a secret put there by mistake would be published.
+        for name in ("node_id", "repo_id", "endpoint"):
+            value = getattr(self, name)
+            secret = self._secret_equal_to(value) if value is not None else None
+            if secret is not None:
+                raise ConfigError(
+                    f"is the same value as {secret}; a secret must not be used here (the value "
+                    "is not shown)",
+                    name,
+                )
         if self.node_id is not None:
             validate_node_id(self.node_id, "node_id")
         if self.enabled and not self.repo_id:
@@ -292,6 +305,20 @@ class DistributedConfig(Section):
                 f"must be at most inner_steps ({self.inner_steps}), got {self.fragments}",
                 "fragments",
             )
+
+    def _secret_equal_to(self, value: str) -> str | None:
+        """Where a secret equal to ``value`` is configured (a field or its environment
+        variable), or None."""
+        candidates = {
+            "distributed.signing_key": self.signing_key,
+            f"${KEY_ENV}": os.environ.get(KEY_ENV),
+            "distributed.token": self.token,
+            "$HF_TOKEN": os.environ.get("HF_TOKEN"),
+        }
+        for where, secret in candidates.items():
+            if secret and secret.strip() == value.strip():
+                return where
+        return None
 
 
 def distributed_config(config: Any) -> DistributedConfig:

@@ -37,7 +37,7 @@ from speedtronic_diloco.fragments import (
     global_fragment_info,
 )
 from speedtronic_diloco.signing import SignatureError, verify_file
-from speedtronic_diloco.tensors import TensorDict, is_floating
+from speedtronic_diloco.tensors import TensorDict, is_floating, mismatch
 from speedtronic_diloco.transports.base import GlobalMetadata
 
 __all__ = [
@@ -171,19 +171,18 @@ def check_fragment_file(
     if key is not None:
         _check_signature(path, where, index, outer_step, key)
     expected = fragment_tensors(local, layout, index)
-    missing = sorted(expected.keys() - tensors.keys())[:3]
-    unexpected = sorted(tensors.keys() - expected.keys())[:3]
-    if missing or unexpected:
+    problem = mismatch(tensors, expected, limit=3)
+    if problem is not None and problem.name:
         raise FragmentFileError(
-            f"{where}: not fragment {index}'s tensors (missing {missing}, unexpected {unexpected})"
+            f"{where}: {problem.name} has shape {problem.shape}, the model's is {problem.expected}"
+        )
+    if problem is not None:
+        raise FragmentFileError(
+            f"{where}: not fragment {index}'s tensors (missing {list(problem.missing)}, "
+            f"unexpected {list(problem.extra)})"
         )
     for name, tensor in tensors.items():
         mine = expected[name]
-        if tensor.shape != mine.shape:
-            raise FragmentFileError(
-                f"{where}: {name} has shape {tuple(tensor.shape)}, the model's is "
-                f"{tuple(mine.shape)}"
-            )
         if is_floating(mine) != is_floating(tensor):
             raise FragmentFileError(f"{where}: {name} has dtype {tensor.dtype}, not {mine.dtype}")
         if is_floating(tensor) and not bool(torch.isfinite(tensor).all()):

@@ -7,7 +7,9 @@ background, and the fence every publication carries.
   expires). With ``distributed.take_over`` it waits for that expiry instead (bounded by the
   lease's remaining time; a holder that renews meanwhile is alive, and the start is refused),
   then takes the lease with ``epoch + 1``. An expired lease of another master is only taken with
-  ``take_over``: the old master may merely be cut off.
+  ``take_over``: the old master may merely be cut off. A lease that cannot be waited for (an
+  expiry further ahead than ``lease_ttl`` plus :data:`CLOCK_SKEW_SLACK`, or a time that is no
+  time) is refused at once, naming the file and field; with ``take_over`` it is taken at once.
 * **Keeping it.** A background thread renews the lease every third of ``lease_ttl``. Every write
   is a compare-and-swap (:meth:`~speedtronic_diloco.transports.base.Transport.write_lease`): if
   the store holds another lease than the one last written, another master took over; the lease
@@ -32,11 +34,12 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from datetime import datetime, timezone
 
 from speedtronic.errors import TransportError
 from speedtronic_diloco.retry import RetryPolicy
+from speedtronic_diloco.timestamps import format_utc, parse_timestamp
 from speedtronic_diloco.transports.base import (
+    LEASE_FILE,
     Lease,
     LeaseConflictError,
     LeaseError,
@@ -53,13 +56,13 @@ log = logging.getLogger("speedtronic.diloco.lease")
 CLOCK_MARGIN = 1.0
 """Seconds a take-over waits past the old lease's expiry, for clock skew between machines."""
 
+CLOCK_SKEW_SLACK = 60.0
+"""Seconds a lease may expire beyond ``lease_ttl`` from now (the holder's clock ahead of ours)
+before it is refused as impossible rather than waited for."""
+
 
 class LeaseHeldError(LeaseError):
     """Another master holds the store's lease: this one refuses to start."""
-
-
-def _when(moment: float) -> str:
-    return datetime.fromtimestamp(moment, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def describe_lease(lease: Lease, now: float | None = None) -> str:
@@ -68,9 +71,9 @@ def describe_lease(lease: Lease, now: float | None = None) -> str:
     if lease.released:
         state = "released"
     elif lease.expires_at > now:
-        state = f"expires in {lease.expires_at - now:.0f} s at {_when(lease.expires_at)}"
+        state = f"expires in {lease.expires_at - now:.0f} s at {format_utc(lease.expires_at)}"
     else:
-        state = f"expired {now - lease.expires_at:.0f} s ago at {_when(lease.expires_at)}"
+        state = f"expired {now - lease.expires_at:.0f} s ago at {format_utc(lease.expires_at)}"
     return f"{lease.holder!r} (epoch {lease.epoch}, {state})"
 
 
@@ -136,7 +139,17 @@ class LeaseKeeper:
                 log.warning("%s; taking the lease over", exc)
                 current = None
             if not self._mine_to_take(current):
-                current = self._wait_for_expiry(current, stop)
+                problem = self._lease_problem(current)
+                if problem is None:
+                    current = self._wait_for_expiry(current, stop)
+                elif not self.take_over:
+                    raise LeaseHeldError(
+                        f"{problem}; refusing to start a master on a lease that cannot be "
+                        "trusted (check the holder's clock, or delete the file, or start with "
+                        "--take-over)"
+                    )
+                else:
+                    log.warning("%s; taking the lease over now", problem)
             fresh = Lease(
                 holder=self.node_id,
                 epoch=(current.epoch + 1) if current is not None else 1,
@@ -167,6 +180,26 @@ class LeaseKeeper:
             f"{self.transport.description}: the lease kept changing while this master tried to "
             "take it: another master is starting at the same time. Run one master per store."
         )
+
+    def _lease_problem(self, lease: Lease) -> str | None:
+        """Why another master's lease cannot be waited for (None when it can): a time that
+        is no time, or an expiry further ahead than a lease of ``ttl`` (plus clock skew) can
+        reach; waiting for it would take a year, or forever."""
+        where = f"{self.transport.description}: {LEASE_FILE}"
+        try:
+            parse_timestamp(lease.expires_at, where, "expires_at")
+            parse_timestamp(lease.renewed_at, where, "renewed_at")
+        except ValueError as exc:
+            return str(exc)
+        ahead = lease.expires_at - self.clock()
+        if ahead > self.ttl + CLOCK_SKEW_SLACK:
+            return (
+                f"{where}: expires_at is {ahead:.0f} s ahead, more than lease_ttl "
+                f"({self.ttl:g} s) plus {CLOCK_SKEW_SLACK:g} s of clock skew: the holder's "
+                f"clock is far ahead or the file was forged (holder {lease.holder!r}, epoch "
+                f"{lease.epoch})"
+            )
+        return None
 
     def _mine_to_take(self, current: Lease | None) -> bool:
         return current is None or current.released or current.holder == self.node_id

@@ -1,7 +1,8 @@
 """Hook implementations wiring DumbDiLoCo into the Speedtronic trainer.
 
 - ``config_sections``: the ``distributed`` section;
-- ``data_seed``: a per-node seed for the synthetic token stream (derived from the node id);
+- ``data_seed`` / ``data_rank``: each node's data: its own order keyed by the node id, or
+  disjoint slices with ``num_nodes``/``node_rank`` (``data.node_split: none``: neither);
 - ``on_load_checkpoint`` (runs before train start): the coordinator state is kept aside and
   handed to the coordinator as its prepared startup state;
 - ``on_train_start`` / ``on_train_end``: coordinator start (the master gets an evaluator of its
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from speedtronic import hookimpl
-from speedtronic.errors import PluginError
+from speedtronic.errors import ConfigError, PluginError
 from speedtronic_diloco.config import DistributedConfig, resolve_state_dir
 from speedtronic_diloco.identity import node_data_seed, resolve_node_id
 
@@ -88,12 +89,20 @@ def config_sections() -> dict[str, type]:
     return {"distributed": DistributedConfig}
 
 
+def _splits_by_node(config: Any) -> DistributedConfig | None:
+    """The ``distributed`` section when DumbDiLoCo is on and ``data.node_split`` is ``auto``
+    (``none``: every node reads the same stream)."""
+    section = _section(config)
+    if section is None or getattr(config.data, "node_split", "auto") == "none":
+        return None
+    return section
+
+
 @hookimpl
 def data_seed(config: Any, seed: int) -> int | None:
-    """A per-node data seed when DumbDiLoCo is on and the nodes are not ranked. Only the
-    synthetic token stream draws its samples from this seed; ``data.text_path`` and user
-    datasets are then not split by node (set ``num_nodes``/``node_rank`` for that)."""
-    section = _section(config)
+    """A seed keyed by the node id when the nodes are not ranked: every built-in source then
+    gives this node its own sample order (``data.node_split: auto``)."""
+    section = _splits_by_node(config)
     if section is None or section.num_nodes is not None:
         return None  # ranked nodes share the seed and split the samples (data_rank)
     return node_data_seed(seed, resolve_node_id(section.node_id))
@@ -114,8 +123,8 @@ def load_global_state(config: Any, model: Any) -> dict[str, Any] | None:
 @hookimpl
 def data_rank(config: Any) -> tuple[int, int] | None:
     """``(node_rank, num_nodes)`` when the config ranks the nodes: every source is then split
-    so nodes read disjoint samples."""
-    section = _section(config)
+    so nodes read disjoint samples (unless ``data.node_split: none``)."""
+    section = _splits_by_node(config)
     if section is None or section.num_nodes is None:
         return None
     return (section.node_rank or 0, section.num_nodes)
@@ -143,9 +152,17 @@ def on_train_start(trainer: Any) -> None:
         return
     from speedtronic_diloco.coordinator import DumbDiLoCoCoordinator
 
+    if trainer.config.parallel.strategy == "fsdp":
+        # The coordinator reads and installs whole tensors of the model it is given; sharded
+        # (DTensor) parameters would need the full-state helpers at every sync point.
+        raise ConfigError(
+            "is fsdp, which a DiLoCo node (distributed.enabled) does not run yet; use ddp "
+            "(or none) inside the node",
+            "parallel.strategy",
+        )
     run = _run_for(trainer)
-    parallel = getattr(trainer, "parallel", None)
-    if parallel is not None and parallel.enabled:
+    parallel = trainer.parallel
+    if parallel.enabled:
         if section.install_at != "boundary":
             raise PluginError(
                 "distributed.install_at: a DiLoCo node that is a DDP group installs globals at "
@@ -169,7 +186,7 @@ def on_train_start(trainer: Any) -> None:
         run.checkpointed = None
     trainer.reset_optimizer_on_weight_replace = section.reset_inner_optimizer
     run.coordinator.start()
-    if parallel is not None and parallel.enabled:
+    if parallel.enabled:
         _broadcast_weights(trainer.model)  # the start may have installed the current global
 
 
@@ -182,8 +199,7 @@ def after_optimizer_step(trainer: Any, model: Any, step: int) -> bool | None:
     replaced: bool | None = None
     if coordinator is not None and coordinator.started:
         replaced = coordinator.after_optimizer_step(model, step, final=final)
-    parallel = getattr(trainer, "parallel", None)
-    if parallel is None or not parallel.enabled or _section(trainer.config) is None:
+    if not trainer.parallel.enabled or _section(trainer.config) is None:
         return replaced
     return _agree_across_ranks(trainer, model, step, final, bool(replaced))
 
@@ -295,7 +311,7 @@ def global_evaluator(trainer: Any, section: DistributedConfig) -> Any:
     generators restored afterwards, so training is not disturbed."""
     if section.role != "master":
         return None
-    evaluator = getattr(trainer, "evaluator", None)
+    evaluator = trainer.evaluator
     wanted = section.eval_globals if section.eval_globals is not None else evaluator is not None
     if not wanted:
         return None
@@ -307,23 +323,15 @@ def global_evaluator(trainer: Any, section: DistributedConfig) -> Any:
 
     import torch
 
-    from speedtronic.batch import call_model, labels_as_inputs, loss_of, move_to
+    from speedtronic.batch import batch_size_and_tokens, call_model, loss_of, move_to
     from speedtronic.checkpoint import rng_state, set_rng_state
     from speedtronic_diloco.tensors import install_state
 
     cpu = torch.device("cpu")
     saved = rng_state()
     try:
-        source = evaluator.source
-        iterator = source.iterate(0) if hasattr(source, "iterate") else iter(source)
-        batches = []
-        for _ in range(evaluator.batches):
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                break
-            batch = labels_as_inputs(batch) if evaluator.label_mode == "inputs" else batch
-            batches.append(move_to(batch, cpu))
+        # The windows the run's evaluation scores, those of every rank of a DDP group.
+        batches = [move_to(b, cpu) for b in evaluator.held_out_batches(every_rank=True)]
         model = copy.deepcopy(trainer.model).to(cpu).eval()
     except Exception as exc:  # evaluation is an extra: a failure leaves training alone
         log.warning("not evaluating globals: %s: %s", type(exc).__name__, exc)
@@ -338,8 +346,11 @@ def global_evaluator(trainer: Any, section: DistributedConfig) -> Any:
         with lock, torch.no_grad():
             install_state(model, weights)
             total = 0.0
+            tokens = 0
             for batch in batches:
-                total += float(loss_of(call_model(model, batch)).double())
-            return total / len(batches)
+                count = batch_size_and_tokens(batch)[1]
+                total += float(loss_of(call_model(model, batch)).double()) * count
+                tokens += count
+            return total / tokens  # per token, as the run's evaluation weighs it
 
     return evaluate

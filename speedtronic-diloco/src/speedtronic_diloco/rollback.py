@@ -69,7 +69,8 @@ def master_state_dir(args: argparse.Namespace) -> Path:
 
 def cmd_rollback(args: argparse.Namespace) -> int:
     """``speedtronic diloco rollback``."""
-    from speedtronic_diloco.outer import STATE_FILE, history_steps, roll_back
+    from speedtronic_diloco.master.history import history_steps, roll_back
+    from speedtronic_diloco.master.state import STATE_FILE
     from speedtronic_diloco.tensors import TensorFileError, load_tensors
 
     state_dir = master_state_dir(args)

@@ -20,7 +20,8 @@ from speedtronic_diloco.aggregation import AggregationRules
 from speedtronic_diloco.config import DistributedConfig
 from speedtronic_diloco.fragments import FragmentLayout
 from speedtronic_diloco.lease import LeaseKeeper
-from speedtronic_diloco.outer import Emit, MasterOuterLoop
+from speedtronic_diloco.master.loop import MasterOuterLoop
+from speedtronic_diloco.master.report import Emit
 from speedtronic_diloco.retry import RetryPolicy
 from speedtronic_diloco.tensors import TensorDict
 from speedtronic_diloco.transports.base import (
@@ -109,6 +110,7 @@ def prepare_master(
     fragment layout (set before a global is adopted, so that its fragment files are kept).
     """
     provision_store(transport, config)
+    lease = take_lease(transport, config, node_id, retry, stop)
     outer = MasterOuterLoop(
         transport,
         node_id=node_id,
@@ -123,9 +125,10 @@ def prepare_master(
         keep_outer_steps=config.keep_outer_steps,
         squash_history_every=config.squash_history_every,
         cache_keep=config.cache_keep,
+        fragments=fragments,
+        global_compression=config.global_compression,
+        lease=lease,
     )
-    outer.set_fragments(fragments)
-    outer.lease = take_lease(transport, config, node_id, retry, stop)
     if checkpointed is not None and outer.load_state_dict(checkpointed):
         log.info("master: outer state from the checkpoint (outer step %d)", outer.outer_step)
     _, remote = retry.attempt(

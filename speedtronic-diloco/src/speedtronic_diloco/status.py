@@ -9,7 +9,15 @@ node's deltas were accepted and rejected and why the last rejection happened; wh
 does not record is shown as ``-``. A rich table on a terminal, JSON with ``--json``;
 ``--watch`` refreshes until Ctrl-C (or ``--count`` refreshes).
 
+``--plot out.png`` draws the run's history: the global's held-out loss per outer step, the
+nodes and the delta bytes of each round. The store keeps only the latest publication, so the
+rounds come from the master's metric events (``outer_step``, ``outer_eval`` in its run
+directory's ``metrics.jsonl``, ``--run-dir``), and the store's current outer step and eval loss
+are marked on them. Drawn with core's plotting API (:mod:`speedtronic.plot`).
+
     speedtronic diloco status --config configs/diloco.yaml [--json] [--watch]
+    speedtronic diloco status --config configs/diloco.yaml --run-dir runs/diloco/master \
+        --plot rounds.png
 """
 
 from __future__ import annotations
@@ -20,13 +28,21 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import Any
 
 from speedtronic.cli import add_set_option, load_config
 from speedtronic.errors import ConfigError, TransportError
+from speedtronic_diloco.timestamps import format_utc, parse_timestamp, timestamp_problem
 
-__all__ = ["RunStatus", "add_status_command", "cmd_status", "collect_status", "render_status"]
+__all__ = [
+    "RunStatus",
+    "add_status_command",
+    "cmd_status",
+    "collect_status",
+    "history_panels",
+    "plot_history",
+    "render_status",
+]
 
 DASH = "-"
 
@@ -92,7 +108,12 @@ def collect_status(transport: Any, now: float | None = None) -> RunStatus:
     metadata = _attempt(status, "global metadata", transport.read_global_metadata)
     if metadata is not None:
         status.outer_step = metadata.outer_step
-        status.published_at = metadata.published_at
+        try:
+            status.published_at = parse_timestamp(
+                metadata.published_at, "global/step_count.json", "published_at"
+            )
+        except ValueError as exc:
+            status.problems.append(f"global metadata: {exc}")
         status.master = metadata.master
         status.lease_epoch = metadata.lease_epoch
         status.deltas_included = metadata.deltas_included
@@ -109,6 +130,12 @@ def collect_status(transport: Any, now: float | None = None) -> RunStatus:
         status.problems.append(f"lease: {exc}")
         lease = None
     if lease is not None:
+        for name in ("expires_at", "renewed_at"):
+            value = getattr(lease, name)
+            if value is not None and timestamp_problem(value) is not None:
+                status.problems.append(
+                    f"lease: global/lease.json: {name} {timestamp_problem(value)}"
+                )
         if lease.released:
             state = "released"
         else:
@@ -217,7 +244,7 @@ def _size(count: int | None) -> str:
 def _when(moment: float | None) -> str:
     if moment is None:
         return DASH
-    return datetime.fromtimestamp(moment, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return format_utc(moment)  # a forged published_at is shown, not raised
 
 
 def _cell(value: Any) -> str:
@@ -307,6 +334,61 @@ def render_status(status: RunStatus, console: Any) -> None:
         console.print(f"[yellow]could not read {escape(problem)}[/yellow]")
 
 
+# --------------------------------------------------------------------------- the picture
+
+
+def history_panels(history: Any, status: RunStatus | None = None) -> list[Any]:
+    """The panels of a DiLoCo run's history (a :class:`speedtronic.plot.RunHistory` of the
+    master's metrics): the global's held-out loss per outer step, nodes and MiB of deltas per
+    round; ``status`` (the store now) adds its published outer step and eval loss."""
+    from speedtronic.plot import Line, Panel
+
+    def per_round(event: str, key: str, scale: float = 1.0) -> tuple[list[float], list[float]]:
+        found = {}
+        for record in history.events(event):
+            step, value = record.get("outer_step"), _finite(record.get(key))
+            if isinstance(step, int) and value is not None:
+                found[step] = value * scale
+        return [float(s) for s in sorted(found)], [found[s] for s in sorted(found)]
+
+    loss = Panel("global held-out loss", "outer step", "loss")
+    x, y = per_round("outer_eval", "loss")
+    if y:
+        loss.lines.append(Line(x, y, "master's outer_eval", markers=True, color="C0"))
+    if status is not None and status.outer_step is not None and status.eval_loss is not None:
+        loss.lines.append(
+            Line([status.outer_step], [status.eval_loss], "store now", markers=True, color="C3")
+        )
+    if not loss.lines:
+        loss.note = "no evaluation of the global (eval not configured)"
+    nodes = Panel("nodes per round", "outer step", "nodes")
+    x, y = per_round("outer_step", "nodes_included")
+    if y:
+        nodes.lines.append(Line(x, y, "nodes included", markers=True, color="C1"))
+    received = Panel("delta bytes per round", "outer step", "MiB received")
+    x, y = per_round("outer_step", "bytes_received", 1 / 2**20)
+    if y:
+        received.lines.append(Line(x, y, "bytes received", markers=True, color="C2"))
+    return [loss, nodes, received]
+
+
+def plot_history(
+    run_dir: Any, out: Any, status: RunStatus | None = None, title: str | None = None
+) -> Any:
+    """Draw the history of the DiLoCo run whose master writes its metrics in ``run_dir`` into
+    the PNG ``out``; DataError when that directory holds no rounds."""
+    from speedtronic.errors import DataError
+    from speedtronic.plot import draw_panels, read_run
+
+    history = read_run(run_dir)
+    if not history.events("outer_step"):
+        raise DataError(
+            f"{history.source} holds no outer_step events: pass the master's run directory "
+            "(its --output-dir) with --run-dir"
+        )
+    return draw_panels(history_panels(history, status), out, title=title)
+
+
 # --------------------------------------------------------------------------- the command
 
 
@@ -324,6 +406,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     """``speedtronic diloco status``: print the run's state (reads the store only)."""
     from rich.console import Console
 
+    if args.plot is not None:
+        return _cmd_plot(args)
     transport = _transport_from(args)
     console = Console(width=max(120, Console().width))
     count = args.count if args.count is not None else (None if args.watch else 1)
@@ -351,6 +435,25 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     finally:
         transport.close()
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from speedtronic.plot import require_matplotlib
+
+    require_matplotlib()  # before reading the store: a missing extra is the first error
+    config = load_config(args)
+    run_dir = args.run_dir if args.run_dir is not None else config.run.output_dir
+    transport = _transport_from(args)
+    try:
+        status = collect_status(transport)
+    finally:
+        transport.close()
+    title = f"{status.store}: outer step {_cell(status.outer_step)}"
+    out = plot_history(run_dir, args.plot, status, title=title)
+    print(f"wrote {out}")
+    for problem in status.problems:
+        print(f"could not read {problem}")
+    return 0
 
 
 def _positive_seconds(text: str) -> float:
@@ -391,5 +494,17 @@ def add_status_command(commands: Any) -> None:
     )
     status.add_argument(
         "--count", type=_positive_count, default=None, metavar="N", help="stop after N looks"
+    )
+    status.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="draw the run's history (global eval loss per outer step, nodes and bytes per "
+        "round) into this PNG (needs speedtronic-core[plot])",
+    )
+    status.add_argument(
+        "--run-dir",
+        metavar="DIR",
+        help="with --plot: the master's run directory, whose metrics.jsonl holds the rounds "
+        "(default: run.output_dir of the config)",
     )
     status.set_defaults(handler=cmd_status)

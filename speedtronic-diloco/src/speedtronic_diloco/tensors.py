@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -55,6 +57,34 @@ def floating_only(state: Mapping[str, torch.Tensor]) -> TensorDict:
     return {k: v for k, v in state.items() if is_floating(v)}
 
 
+@dataclass(frozen=True)
+class Mismatch:
+    """How a tensor dict differs from its reference: keys missing or extra (the first few,
+    sorted), else the first tensor whose shape differs."""
+
+    missing: tuple[str, ...] = ()
+    extra: tuple[str, ...] = ()
+    name: str = ""
+    shape: tuple[int, ...] = ()
+    expected: tuple[int, ...] = ()
+
+
+def mismatch(
+    tensors: Mapping[str, Any], reference: Mapping[str, Any], limit: int = 5
+) -> Mismatch | None:
+    """None when ``tensors`` has exactly the keys of ``reference``, each in its shape (any
+    tensors, or anything with a ``shape``)."""
+    missing = sorted(reference.keys() - tensors.keys())[:limit]
+    extra = sorted(tensors.keys() - reference.keys())[:limit]
+    if missing or extra:
+        return Mismatch(tuple(missing), tuple(extra))
+    for name, expected in reference.items():
+        shape = tuple(tensors[name].shape)
+        if shape != tuple(expected.shape):
+            return Mismatch(name=name, shape=shape, expected=tuple(expected.shape))
+    return None
+
+
 def compute_pseudo_gradient(
     baseline: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor]
 ) -> TensorDict:
@@ -62,42 +92,36 @@ def compute_pseudo_gradient(
     the sign of a gradient. Raises StateMismatchError when keys or shapes differ."""
     base = floating_only(baseline)
     now = floating_only(current)
-    if base.keys() != now.keys():
-        missing = sorted(base.keys() - now.keys())[:5]
-        extra = sorted(now.keys() - base.keys())[:5]
+    problem = mismatch(now, base)
+    if problem is not None and problem.name:
         raise StateMismatchError(
-            f"model keys changed since the baseline (missing {missing}, new {extra})"
+            f"{problem.name}: shape {problem.shape} differs from the baseline's {problem.expected}"
         )
-    delta: TensorDict = {}
-    for name, before in base.items():
-        after = now[name]
-        if before.shape != after.shape:
-            raise StateMismatchError(
-                f"{name}: shape {tuple(after.shape)} differs from the baseline's "
-                f"{tuple(before.shape)}"
-            )
-        work = compute_dtype(before.dtype)
-        delta[name] = (before.to(work) - after.to(work)).to(before.dtype)
-    return delta
+    if problem is not None:
+        raise StateMismatchError(
+            f"model keys changed since the baseline (missing {list(problem.missing)}, new "
+            f"{list(problem.extra)})"
+        )
+    return combine(base, now, sign=-1)
 
 
-def check_delta(delta: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor]) -> None:
-    """Raise StateMismatchError unless ``delta`` has exactly the floating keys and shapes of
-    ``reference`` and only finite values."""
-    expected = floating_only(reference)
-    if delta.keys() != expected.keys():
-        missing = sorted(expected.keys() - delta.keys())[:5]
-        extra = sorted(delta.keys() - expected.keys())[:5]
-        raise StateMismatchError(f"delta keys differ (missing {missing}, unexpected {extra})")
-    for name, tensor in delta.items():
-        if tensor.shape != expected[name].shape:
-            raise StateMismatchError(
-                f"{name}: delta shape {tuple(tensor.shape)} != {tuple(expected[name].shape)}"
-            )
-        if not is_floating(tensor):
-            raise StateMismatchError(f"{name}: delta dtype {tensor.dtype} is not floating")
-        if not bool(torch.isfinite(tensor).all()):
-            raise StateMismatchError(f"{name}: delta has non-finite values")
+def combine(
+    base: Mapping[str, torch.Tensor], *others: Mapping[str, torch.Tensor], sign: int
+) -> TensorDict:
+    """``base + sign * (others...)`` in the compute dtype, cast back once: over the floating
+    tensors of ``base``, each term where an ``other`` has that name in the same shape; every
+    other entry of ``base`` as it is."""
+    out = dict(base)
+    for name, value in base.items():
+        terms = [o[name] for o in others if name in o and o[name].shape == value.shape]
+        if not is_floating(value) or not terms:
+            continue
+        work = compute_dtype(value.dtype)
+        total = value.to(work)
+        for term in terms:
+            total = total - term.to(work) if sign < 0 else total + term.to(work)
+        out[name] = total.to(value.dtype)
+    return out
 
 
 def install_state(

@@ -46,11 +46,11 @@ class GroupedQueryAttention(nn.Module):
         """
         batch, seq_len, _ = x.shape
         qkv = self.qkv(x).view(batch, seq_len, -1, self.head_dim)
-        q, k, v = qkv.split((self.n_head, self.n_kv_head, self.n_kv_head), dim=2)
-        # SDPA wants [B, H, T, D]; rotating first lets cos/sin broadcast over heads as stored.
-        q = apply_rotary(q, cos, sin).transpose(1, 2)
-        k = apply_rotary(k, cos, sin).transpose(1, 2)
-        v = v.transpose(1, 2)
+        qk, v = qkv.split((self.n_head + self.n_kv_head, self.n_kv_head), dim=2)
+        # Queries and keys rotate in one pass (half the kernels of two). SDPA wants
+        # [B, H, T, D]; rotating first lets cos/sin broadcast over heads as stored.
+        q, k = apply_rotary(qk, cos, sin).split((self.n_head, self.n_kv_head), dim=2)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         # Without a mask SDPA builds causality into the kernel: no [T, T] tensor at all.
         is_causal = mask is None
         if cache is not None:

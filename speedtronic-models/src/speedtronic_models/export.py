@@ -29,7 +29,7 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -39,7 +39,9 @@ from torch import Tensor
 from speedtronic import ConfigError
 from speedtronic.checkpoint.fileio import read_regular, regular_file_problem
 from speedtronic_models.config import TransformerConfig
-from speedtronic_models.model import ReferenceTransformer
+
+if TYPE_CHECKING:  # annotations only: model.py imports this module for init_from
+    from speedtronic_models.model import ReferenceTransformer
 
 __all__ = [
     "CONFIG_FILE",
@@ -221,6 +223,7 @@ def load_llama(model: ReferenceTransformer, directory: Any) -> None:
     if any(p.is_meta for p in model.parameters()):
         return
     tensors = _read_tensors(files)
+    _check_finite(tensors, model.tok_emb.weight.dtype, folder)
     head = tensors.pop("lm_head.weight", None)
     if head is not None and not torch.equal(head, tensors["model.embed_tokens.weight"]):
         raise ConfigError(
@@ -231,10 +234,20 @@ def load_llama(model: ReferenceTransformer, directory: Any) -> None:
     model.load_state_dict(from_hf_state_dict(tensors, model.config.n_layer), strict=True)
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a value a model config holds")
+
+
+def _read_json(path: Path, limit: int) -> Any:
+    """A JSON file of the folder, bounded by ``limit`` bytes; ``NaN`` and ``Infinity`` (which
+    Python's json accepts) are refused: no config value compared here may be one."""
+    return json.loads(_read_small(path, limit).decode("utf-8"), parse_constant=_no_constant)
+
+
 def _read_config(folder: Path) -> dict[str, Any]:
     path = folder / CONFIG_FILE
     try:
-        data = json.loads(_read_small(path).decode("utf-8"))
+        data = _read_json(path, MAX_CONFIG_BYTES)
     except FileNotFoundError:
         raise ConfigError(
             f"{folder} has no {CONFIG_FILE}: not a Hugging Face model folder", WHERE
@@ -276,13 +289,14 @@ def _mismatches(hf: dict[str, Any], ours: TransformerConfig) -> list[str]:
             "head is its embedding)"
         )
     theta = _rope_theta(hf)
-    if theta is None or abs(theta - ours.rope_theta) > 1e-6 * ours.rope_theta:
+    # Written as "not close" so that a NaN (every comparison false) is a mismatch too.
+    if theta is None or not abs(theta - ours.rope_theta) <= 1e-6 * ours.rope_theta:
         found.append(f"rope_theta {theta!r} != model.rope_theta {ours.rope_theta}")
     rope_type = _rope_type(hf)
     if rope_type not in (None, "default"):
         found.append(f"rope scaling {rope_type!r} (the reference model has plain rotary only)")
     eps = hf.get("rms_norm_eps")
-    if not isinstance(eps, (int, float)) or abs(eps - ours.norm_eps) > 1e-12:
+    if not isinstance(eps, (int, float)) or not abs(eps - ours.norm_eps) <= 1e-12:
         found.append(f"rms_norm_eps {eps!r} != model.norm_eps {ours.norm_eps}")
     if hf.get("hidden_act", "silu") != "silu":
         found.append(f"hidden_act {hf.get('hidden_act')!r}, not 'silu'")
@@ -318,7 +332,7 @@ def _weight_files(folder: Path) -> list[Path]:
         return [single]
     if index.is_file():
         try:
-            weight_map = json.loads(_read_small(index).decode("utf-8"))["weight_map"]
+            weight_map = _read_json(index, MAX_INDEX_BYTES)["weight_map"]
             shards = sorted(set(weight_map.values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
@@ -342,15 +356,17 @@ def _weight_files(folder: Path) -> list[Path]:
     raise ConfigError(f"{folder} has no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE}{hint}", WHERE)
 
 
-# config.json and the weights index are a few KiB to a few MiB; anything larger is not one.
-MAX_JSON_BYTES = 64 << 20
+# A Llama config.json is about 1 KiB (configs with large label maps reach a few hundred).
+MAX_CONFIG_BYTES = 1 << 20
+# A weights index is one line (~80 bytes) per tensor: 16 MiB lists 200,000 tensors.
+MAX_INDEX_BYTES = 16 << 20
 
 
-def _read_small(path: Path) -> bytes:
+def _read_small(path: Path, limit: int) -> bytes:
     """A JSON file of the folder: a regular file (a FIFO there would hang us), bounded."""
-    raw = read_regular(path, MAX_JSON_BYTES)
-    if len(raw) > MAX_JSON_BYTES:
-        raise ValueError(f"larger than {MAX_JSON_BYTES >> 20} MiB: not a model config")
+    raw = read_regular(path, limit)
+    if len(raw) > limit:
+        raise ValueError(f"larger than {limit >> 20} MiB: not what a model folder holds")
     return raw
 
 
@@ -375,6 +391,22 @@ def _read_tensors(files: list[Path]) -> dict[str, Tensor]:
     except Exception as exc:  # safetensors raises its own error types
         raise ConfigError(f"cannot read {file}: {type(exc).__name__}: {exc}", WHERE) from None
     return tensors
+
+
+def _check_finite(tensors: Mapping[str, Tensor], dtype: torch.dtype, folder: Path) -> None:
+    """Refuse weights that are NaN or infinite in the model's dtype (float64 1e300 is finite
+    in the file and infinite in a float32 model)."""
+    bad = [
+        name
+        for name, tensor in tensors.items()
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor.to(dtype)).all())
+    ]
+    if bad:
+        raise ConfigError(
+            f"{folder}: non-finite values (NaN or beyond the {str(dtype).removeprefix('torch.')} "
+            f"range) in {_short(sorted(bad))}",
+            WHERE,
+        )
 
 
 def _shape_problems(

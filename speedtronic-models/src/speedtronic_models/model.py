@@ -21,8 +21,9 @@ from speedtronic_models.attention import GroupedQueryAttention, padding_causal_m
 from speedtronic_models.config import TransformerConfig
 from speedtronic_models.feedforward import SwiGLU
 from speedtronic_models.kv_cache import KVCache, LayerCache
+from speedtronic_models.norm import RMSNorm
 from speedtronic_models.rotary import RotaryEmbedding
-from speedtronic_models.torch_compat import RMSNorm
+from speedtronic_models.torch_compat import compute_dtype
 
 IGNORE_INDEX = -100
 _INIT_STD = 0.02
@@ -217,7 +218,7 @@ class ReferenceTransformer(nn.Module):
             mask = padding_causal_mask(attention_mask)
 
         x = self.emb_dropout(self.tok_emb(input_ids))
-        cos, sin = self.rotary(seq_len)
+        cos, sin = self.rotary(seq_len, dtype=compute_dtype(x))
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.blocks:
             if recompute:
@@ -258,7 +259,7 @@ class ReferenceTransformer(nn.Module):
         seq_len = input_ids.shape[1]
         start = cache.reserve(seq_len)
         x = self.emb_dropout(self.tok_emb(input_ids))
-        cos, sin = self.rotary(seq_len, start)
+        cos, sin = self.rotary(seq_len, start, dtype=compute_dtype(x))
         for block, layer in zip(self.blocks, cache.layers):
             x = block(x, cos, sin, None, layer)
         cache.advance(seq_len)

@@ -1,21 +1,30 @@
 """Checkpoints: the manager (atomic, verified, retained), the JSON+safetensors state codec,
-durable file writes, and the process RNG state they carry."""
+durable file writes, and the process RNG state they carry.
+
+Names are imported on first use: :mod:`speedtronic.checkpoint.fileio` (durable writes) needs no
+torch, so ``speedtronic data prepare`` can use it without paying for importing torch.
+"""
 
 from __future__ import annotations
 
-from speedtronic.checkpoint.manager import (
-    BEST_POINTER,
-    FORMAT_VERSION,
-    MANIFEST,
-    POINTER,
-    STATE,
-    TENSORS,
-    CheckpointManager,
-    LoadedCheckpoint,
-    checkpoint_name,
-    step_of,
-)
-from speedtronic.checkpoint.rng import rng_state, set_rng_state
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from speedtronic.checkpoint.manager import (
+        BEST_POINTER,
+        FORMAT_VERSION,
+        MANIFEST,
+        POINTER,
+        STATE,
+        TENSORS,
+        CheckpointManager,
+        LoadedCheckpoint,
+        checkpoint_name,
+        step_of,
+    )
+    from speedtronic.checkpoint.policy import SavedCheckpoint, SavePolicy
+    from speedtronic.checkpoint.rng import rng_state, set_rng_state
 
 __all__ = [
     "BEST_POINTER",
@@ -26,8 +35,30 @@ __all__ = [
     "TENSORS",
     "CheckpointManager",
     "LoadedCheckpoint",
+    "SavePolicy",
+    "SavedCheckpoint",
     "checkpoint_name",
     "rng_state",
     "set_rng_state",
     "step_of",
 ]
+
+_MODULE_OF = {name: "manager" for name in __all__} | {
+    "rng_state": "rng",
+    "set_rng_state": "rng",
+    "SavePolicy": "policy",
+    "SavedCheckpoint": "policy",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'speedtronic.checkpoint' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"speedtronic.checkpoint.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -61,6 +61,7 @@ from speedtronic.errors import CheckpointError
 
 __all__ = [
     "DCP_DIR",
+    "ShardedWriter",
     "is_sharded_checkpoint",
     "load_sharded_weights",
     "read_sharded_state",
@@ -94,25 +95,39 @@ def is_sharded_checkpoint(path: Path) -> bool:
 
 
 # ---------------------------------------------------------------------- writing
+class ShardedWriter:
+    """The ``sharded_writer`` of a :class:`CheckpointManager` whose run shards ``model`` and
+    ``optimizer`` (``parallel.strategy: fsdp``): each of the manager's saves
+    (:meth:`~CheckpointManager.save_now`, :meth:`~CheckpointManager.maybe_save`) becomes a
+    :func:`save_sharded_checkpoint` on every rank."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.optimizer = optimizer
+
+    def __call__(self, manager: CheckpointManager, step: int, state: dict[str, Any]) -> Path:
+        return save_sharded_checkpoint(manager, step, state, self.model, self.optimizer)
+
+
 def save_sharded_checkpoint(
     manager: CheckpointManager,
     step: int,
     state: dict[str, Any],
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    parallel: Any,
-    *,
-    retry_pause: float = 0.0,
 ) -> Path:
     """Write ``state`` (a trainer state: its ``model`` and ``optimizer`` entries are replaced
-    by ``model``'s and ``optimizer``'s shards) as the DCP checkpoint of ``step``; every rank
-    calls this. A failed attempt is retried once after ``retry_pause`` seconds; a second
-    failure raises :class:`CheckpointError` on every rank, the previous checkpoint intact."""
+    by ``model``'s and ``optimizer``'s shards) as the DCP checkpoint of ``step`` in
+    ``manager``'s directory, among ``manager.parallel``'s ranks; every rank calls this. A failed
+    attempt is retried once after the policy's ``retry_pause``; a second failure raises
+    :class:`CheckpointError` on every rank, the previous checkpoint intact."""
+    parallel = manager.parallel
     try:
         return _save_once(manager, step, state, model, optimizer, parallel)
     except CheckpointError as exc:
-        log.warning("%s; retrying once in %.0f s", exc, retry_pause)
-        time.sleep(retry_pause)
+        pause = manager.policy.retry_pause
+        log.warning("%s; retrying once in %.0f s", exc, pause)
+        time.sleep(pause)
         return _save_once(manager, step, state, model, optimizer, parallel)
 
 

@@ -25,12 +25,14 @@ in a warning and the next older one is tried.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -44,10 +46,20 @@ from speedtronic.checkpoint.fileio import (
     atomic_write_text,
     fsync_dir,
     fsync_file,
+    probe_writable,
     read_regular,
     sha256_chunks,
 )
+from speedtronic.checkpoint.names import (
+    checkpoint_name,
+    existing_checkpoints,
+    overwrite_refusal,
+    step_of,
+)
+from speedtronic.checkpoint.policy import BackgroundWrite, SavedCheckpoint, SavePolicy
+from speedtronic.checkpoint.runlock import RunLock
 from speedtronic.errors import CheckpointError
+from speedtronic.parallel import SINGLE_PROCESS, ParallelContext
 
 __all__ = [
     "BEST_POINTER",
@@ -74,8 +86,6 @@ STATE = "state.json"
 MANIFEST = "manifest.json"
 # The files of a sharded (DCP) checkpoint's dcp/ folder that a manifest may list.
 SHARD_FILE = re.compile(r"^dcp/(\.metadata|__\d{1,6}_\d{1,6}\.distcp)$")
-# 8 to 18 digits: every step an int64 holds, and never a number too long to convert.
-NAME_PATTERN = re.compile(r"^step_(\d{8,18})$")
 # Files are hashed in slices of this size, in parallel, so big checkpoints verify quickly.
 HASH_CHUNK_BYTES = 32 << 20
 # A pointer is one short JSON line; anything larger is not one.
@@ -98,19 +108,6 @@ _MANIFEST_PROBLEMS = (
 _HIDDEN_PREFIX = ".step_"
 
 
-def checkpoint_name(step: int) -> str:
-    """The directory name of the checkpoint taken after optimizer step ``step``."""
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
-    return f"step_{step:08d}"
-
-
-def step_of(name: str) -> int | None:
-    """The step encoded in a checkpoint directory name, or None for any other name."""
-    match = NAME_PATTERN.match(name)
-    return int(match.group(1)) if match else None
-
-
 @dataclass(frozen=True)
 class LoadedCheckpoint:
     """A verified checkpoint: its directory, step and decoded state tree."""
@@ -124,27 +121,261 @@ class LoadedCheckpoint:
 
 
 class CheckpointManager:
-    """Writes, verifies, retains and loads the checkpoints of one run in ``directory``."""
+    """Writes, verifies, retains and loads the checkpoints of one run in ``directory``, and
+    decides when a run saves (:meth:`maybe_save`, after its ``policy``).
 
-    def __init__(self, directory: str | os.PathLike[str], keep_last: int = 3) -> None:
+    Under data parallel (``parallel``) every rank calls the run-facing methods at the same
+    points: rank 0 alone touches the directory and the others learn its outcome, so every rank
+    raises the same :class:`CheckpointError`. With a ``sharded_writer`` (``parallel.strategy:
+    fsdp``, :class:`speedtronic.checkpoint.dcp.ShardedWriter`) every rank writes its own shards
+    of each save instead; the policy, retention and pointers stay the same.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        keep_last: int = 3,
+        *,
+        policy: SavePolicy | None = None,
+        parallel: ParallelContext | None = None,
+    ) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
         self.directory = Path(directory)
         self.keep_last = keep_last
+        self.policy = policy or SavePolicy()
+        self.parallel = parallel or SINGLE_PROCESS
+        # What checkpoint.every_seconds measures with; a test may give its own.
+        self.clock: Callable[[], float] = time.monotonic
+        self.last_saved_step: int | None = None
+        self._last_save_time = self.clock()
+        self._in_flight: BackgroundWrite | None = None
+        self._unreported: list[SavedCheckpoint] = []
+        # Held from start_run to close: no second live run writes this directory.
+        self._run_lock: RunLock | None = None
+        # Called on every rank with (manager, step, state) to write a sharded checkpoint
+        # (speedtronic.checkpoint.dcp.ShardedWriter); None: rank 0 writes the whole state.
+        self.sharded_writer: Callable[[CheckpointManager, int, Any], Path] | None = None
+
+    # ------------------------------------------------------------------ a run's saves
+    def resume_point(
+        self, check: Callable[[Any], None] | None = None, *, weights: bool = True
+    ) -> LoadedCheckpoint | None:
+        """The checkpoint a resumed run continues from (:meth:`load_latest`, ``weights`` as in
+        :meth:`read`), or None for a fresh start: no checkpoint yet, or none usable and
+        ``allow_fresh_start`` set."""
+        try:
+            loaded = self.load_latest(check=check, weights=weights)
+        except CheckpointError as exc:
+            if not self.policy.allow_fresh_start:
+                raise
+            log.warning("%s; starting fresh because checkpoint.allow_fresh_start is set", exc)
+            return None
+        if loaded is None:
+            log.info("no checkpoint in %s yet; starting fresh", self.directory)
+        return loaded
+
+    def refuse_to_overwrite(self, step: int) -> None:
+        """A fresh run never overwrites another run's checkpoints: it would replace their
+        ``latest.json`` and same-numbered steps (``step`` > 0: a trainer continuing its own run
+        in memory)."""
+
+        def check() -> None:
+            if not self.policy.writes or step:
+                return
+            existing = self.candidates()
+            if existing:
+                raise CheckpointError(overwrite_refusal(self.directory, existing[0]))
+
+        self._on_main(check)
+
+    def start_run(self) -> None:
+        """The run's first step is next: find an unwritable directory now, not at the final
+        save of a long run; the clock of ``every_seconds`` starts here."""
+
+        def check() -> None:
+            if not self.policy.writes:
+                return
+            try:
+                self.check_writable(best=self.policy.keep_best)
+            except OSError as exc:
+                where = f": {exc.filename}" if exc.filename else ""
+                raise CheckpointError(
+                    f"cannot write checkpoints to {self.directory} "
+                    f"({exc.strerror or exc}{where}); fix its permissions or free space (or "
+                    "move that path away), or point checkpoint.directory / run.output_dir "
+                    "elsewhere"
+                ) from None
+            if self._run_lock is None:
+                self._run_lock = RunLock.acquire(self.directory)
+
+        self._on_main(check)
+        self._last_save_time = self.clock()
+
+    def maybe_save(
+        self,
+        step: int,
+        state: Callable[[], Any],
+        *,
+        force: bool = False,
+        final: bool = False,
+    ) -> list[SavedCheckpoint]:
+        """Called at every step boundary of a run: save the checkpoint of ``step`` when the
+        policy says so (``interval``, ``every_seconds``, ``final`` with ``save_final``) or when
+        ``force``d, unless ``step`` is saved already. ``state()`` builds the state, only when a
+        save happens. Returns the checkpoints that became durable since the last call (with
+        ``async_save`` the one just started is not among them yet).
+
+        A failed write is retried once after ``retry_pause``; a second failure raises
+        :class:`CheckpointError` (for a background write, at the next call), with the previous
+        checkpoints intact."""
+        clock_due = self._poll()
+        interval = self.policy.interval
+        due = (
+            force
+            or (final and self.policy.save_final)
+            or (bool(interval) and step % interval == 0)
+            or clock_due
+        )
+        if due and step != self.last_saved_step:
+            if self.policy.async_save:
+                self._start_background(step, state())
+            else:
+                self._unreported.append(self.save_now(step, state))
+        return self._take_unreported()
+
+    def save_now(self, step: int, state: Any) -> SavedCheckpoint:
+        """Write the checkpoint of ``step`` now and wait for it (after any background write
+        in flight); ``state`` is the state or a callable building it."""
+        self._join()
+        tree = state() if callable(state) else state
+        if self.sharded_writer is not None:
+            path = self.sharded_writer(self, step, tree)  # every rank writes its shards
+        else:
+            path = self._write_on_ranks(step, lambda: self._write_with_retry(step, tree))
+        self._saved(step)
+        return SavedCheckpoint(step, path)
+
+    def wait(self) -> list[SavedCheckpoint]:
+        """Block until the background write in flight (if any) is durable and return what
+        became durable since the last call; a failure is raised on every rank. The run's end
+        and a stop call this before they return."""
+        self._join()
+        return self._take_unreported()
+
+    def close(self) -> None:
+        """Wait for a background write without raising (a run failing for another reason): the
+        process never exits while a checkpoint is half written."""
+        job, self._in_flight = self._in_flight, None
+        if job is not None:
+            try:
+                job.result()
+            except Exception as exc:
+                log.error("the background checkpoint write of step %d failed: %s", job.step, exc)
+        lock, self._run_lock = self._run_lock, None
+        if lock is not None:
+            lock.release()
+
+    def _join(self) -> None:
+        if not self.policy.async_save:
+            return  # the same on every rank: no collective below
+        job, self._in_flight = self._in_flight, None
+
+        def finish() -> None:
+            if job is not None:
+                self._unreported.append(job.result())
+
+        self._on_main(finish)
+
+    def _take_unreported(self) -> list[SavedCheckpoint]:
+        done, self._unreported = self._unreported, []
+        return done
+
+    def _poll(self) -> bool:
+        """Collect a finished background write (raising its failure on every rank); whether
+        ``every_seconds`` is due. All ranks agree on both: one small collective per step, only
+        with ``async_save`` or ``every_seconds`` under data parallel."""
+        job = self._in_flight
+        seconds = self.policy.every_seconds
+        done = job is not None and job.done
+        clock_due = bool(seconds) and self.clock() - self._last_save_time >= (seconds or 0)
+        if self.parallel.enabled and (self.policy.async_save or seconds):
+            done, clock_due = (bool(v) for v in self.parallel.max_each([done, clock_due]))
+        if done:
+            self._join()
+        return clock_due
+
+    def _start_background(self, step: int, state: Any) -> None:
+        if self.sharded_writer is not None:
+            # The config refuses this combination; a manager put together by hand gets it too.
+            raise CheckpointError(
+                "checkpoint.async_save cannot be used with parallel.strategy fsdp (sharded "
+                "saves are collective: every rank writes its shards)"
+            )
+        self._join()  # at most one write in flight: the next save waits for the previous one
+        if self.parallel.is_main:
+            # The copy to CPU memory is the only part the training step waits for.
+            snapshot = self._encode(step, state, copy=True)
+            self._in_flight = BackgroundWrite(step, lambda: self._write_with_retry(step, snapshot))
+        self._saved(step)
+
+    def _saved(self, step: int) -> None:
+        self.last_saved_step = step
+        self._last_save_time = self.clock()
+
+    def _write_with_retry(self, step: int, state: Any) -> Path:
+        """Encode (unless ``state`` is already an encoded snapshot) and write, retrying once."""
+        text, tensors = state if isinstance(state, tuple) else self._encode(step, state)
+        try:
+            return self._write_encoded(step, text, tensors)
+        except CheckpointError as exc:
+            pause = self.policy.retry_pause
+            log.warning("%s; retrying once in %.0f s", exc, pause)
+            time.sleep(pause)
+            return self._write_encoded(step, text, tensors)
+
+    def _write_on_ranks(self, step: int, write: Callable[[], Path]) -> Path:
+        """Rank 0 writes; every rank gets the path or raises rank 0's error."""
+        paths: list[Path] = []
+        self._on_main(lambda: paths.append(write()))
+        return paths[0] if paths else self.directory / checkpoint_name(step)
+
+    def _on_main(self, action: Callable[[], None]) -> None:
+        """Run ``action`` on rank 0 only (other ranks would race its writes) and raise its
+        :class:`CheckpointError` on every rank."""
+        if not self.parallel.enabled:
+            action()
+            return
+        problem = None
+        if self.parallel.is_main:
+            try:
+                action()
+            except CheckpointError as exc:
+                problem = str(exc)
+        problem = self.parallel.broadcast(problem)
+        if problem:
+            raise CheckpointError(problem)
 
     # ------------------------------------------------------------------ writing
     def save(self, step: int, state: Any) -> Path:
         """Durably write ``state`` as the checkpoint of ``step``, point ``latest.json`` at it,
         then apply retention. Raises :class:`CheckpointError`; on failure the previous
-        checkpoint stays the latest one."""
-        name = checkpoint_name(step)
+        checkpoint stays the latest one. This is the storage step alone: when to save, retries
+        and ranks are :meth:`maybe_save`'s business."""
+        return self._write_encoded(step, *self._encode(step, state))
+
+    def _encode(self, step: int, state: Any, copy: bool = False) -> tuple[str, dict[str, Any]]:
         try:
-            json_tree, tensors = statecodec.encode(state)
+            json_tree, tensors = statecodec.encode(state, copy=copy)
             text = json.dumps(json_tree, allow_nan=False, separators=(",", ":"))
         except (TypeError, ValueError) as exc:
             raise CheckpointError(
-                f"cannot serialise the state for checkpoint {name}: {exc}"
+                f"cannot serialise the state for checkpoint {checkpoint_name(step)}: {exc}"
             ) from exc
+        return text, tensors
+
+    def _write_encoded(self, step: int, text: str, tensors: dict[str, Any]) -> Path:
+        name = checkpoint_name(step)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             final = self._write(name, step, state_json=text, tensors=tensors)
@@ -233,17 +464,29 @@ class CheckpointManager:
         for stale in self.directory.glob(f".{POINTER}.*.tmp"):
             stale.unlink(missing_ok=True)
 
+    def check_writable(self, best: bool = False) -> None:
+        """Prove, before a run trains, that its saves can write every path they will: the
+        directory (a probe file is created, fsynced, renamed and removed), ``latest.json``
+        (and ``best.json`` with ``best``), which a save replaces by a rename that fails if a
+        directory stands there, and the ``step_NNNNNNNN`` names, where a dangling symlink
+        makes the rename of a new checkpoint fail. Raises ``OSError`` naming the path."""
+        probe_writable(self.directory)
+        for name in (POINTER, BEST_POINTER) if best else (POINTER,):
+            path = self.directory / name
+            if path.is_dir() and not path.is_symlink():
+                raise IsADirectoryError(
+                    errno.EISDIR, "a directory stands where a save writes", str(path)
+                )
+        for path in self.directory.iterdir():
+            if step_of(path.name) is not None and path.is_symlink() and not path.exists():
+                raise FileExistsError(
+                    errno.EEXIST, "a dangling symlink stands where a save writes", str(path)
+                )
+
     # ------------------------------------------------------------------ reading
     def candidates(self) -> list[Path]:
         """Checkpoint directories by name, newest first, complete or not (no symlinks)."""
-        if not self.directory.is_dir():
-            return []
-        dirs = [
-            p
-            for p in self.directory.iterdir()
-            if step_of(p.name) is not None and p.is_dir() and not p.is_symlink()
-        ]
-        return sorted(dirs, key=lambda p: step_of(p.name) or 0, reverse=True)
+        return existing_checkpoints(self.directory)
 
     def mark_best(self, step: int, eval_loss: float) -> None:
         """Point ``best.json`` at the (already written) checkpoint of ``step``."""

@@ -58,9 +58,10 @@ class StateDecodeError(ValueError):
     """The JSON tree or the tensor mapping does not describe a valid encoded state."""
 
 
-def encode(tree: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+def encode(tree: Any, *, copy: bool = False) -> tuple[Any, dict[str, torch.Tensor]]:
     """``(json_tree, tensors)`` for ``tree``; tensors become contiguous CPU tensors that share
-    no memory with each other (what safetensors requires)."""
+    no memory with each other (what safetensors requires). With ``copy`` they share none with
+    ``tree`` either: a snapshot that training may go on changing (``checkpoint.async_save``)."""
     tensors: dict[str, torch.Tensor] = {}
     by_view: dict[tuple[Any, ...], dict[str, Any]] = {}
     storages: set[tuple[str, int]] = set()
@@ -75,8 +76,8 @@ def encode(tree: Any) -> tuple[Any, dict[str, torch.Tensor]]:
         data = node.detach()
         if data.device.type != "cpu":
             data = data.to("cpu")
-        elif view is not None and view[:2] in storages:
-            # Another view of this memory is already stored: safetensors refuses aliases.
+        elif copy or (view is not None and view[:2] in storages):
+            # A snapshot owns its memory; and safetensors refuses two views of one storage.
             data = data.clone()
         data = data.contiguous()
         if view is not None:

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
         read_index,
         shard_source,
     )
-    from speedtronic.data.source import DataSource, repeat_epochs
+    from speedtronic.data.source import DataSource, Windows, repeat_epochs
     from speedtronic.data.streams import IGNORE_INDEX, Batch, IndexedTokenStream, split_windows
     from speedtronic.data.synthetic import SyntheticTokenStream
     from speedtronic.data.text import (
@@ -65,6 +65,7 @@ __all__ = [
     "SyntheticTokenStream",
     "TokenizedTextStream",
     "Tokenizer",
+    "Windows",
     "build_dataloader",
     "build_eval_source",
     "build_holdout_source",
@@ -95,6 +96,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "SyntheticTokenStream": ("synthetic", "SyntheticTokenStream"),
     "TokenizedTextStream": ("text", "TokenizedTextStream"),
     "Tokenizer": ("text", "Tokenizer"),
+    "Windows": ("source", "Windows"),
     "build_dataloader": ("loader", "build_dataloader"),
     "build_eval_source": ("loader", "build_eval_source"),
     "build_holdout_source": ("loader", "build_holdout_source"),

@@ -3,7 +3,7 @@
 ```
 DIR/index.json            the commit record: written last, atomically
 DIR/train/shard_00000.bin little-endian uint16 (vocab <= 65536) or uint32 token ids
-DIR/eval/shard_00000.bin  the held-out split (``--eval-fraction`` of the documents)
+DIR/eval/shard_00000.bin  the held-out split (``--eval-fraction``, see ``--eval-split``)
 ```
 
 A directory without ``index.json`` is an unfinished (or killed) prepare and is never read.
@@ -19,6 +19,7 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "INDEX_NAME",
+    "NO_EVAL_SPLIT_HINT",
     "SPLITS",
     "dtype_for_vocab",
     "shard_file",
@@ -33,6 +34,12 @@ DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 MAX_INDEX_BYTES = 64 << 20
 SHARD_FILE = re.compile(r"^(train|eval)/shard_[0-9]{5,9}\.bin$")
 SHARD_GLOB = "shard_*.bin"
+# What to do about a shard directory without an eval split (the error says it after the path).
+NO_EVAL_SPLIT_HINT = (
+    "prepare it with --eval-fraction F; for a corpus of few documents, such as one text file, "
+    "add --eval-split tail to hold out the end of the token stream, or --blank-line-documents "
+    "to make each blank-line-separated block a document"
+)
 
 
 def dtype_for_vocab(vocab_size: int) -> str:

@@ -10,8 +10,8 @@ from torch.utils.data import Dataset, IterableDataset
 
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.data.shards import shard_source
-from speedtronic.data.source import DataSource, nonempty, skip_samples, stream_batches
-from speedtronic.data.streams import Batch, check_rank
+from speedtronic.data.source import DataSource, Windows, nonempty, skip_samples, stream_batches
+from speedtronic.data.streams import Batch, check_rank, split_windows
 from speedtronic.data.synthetic import SyntheticTokenStream
 from speedtronic.data.text import (
     BYTE_VOCAB,
@@ -38,6 +38,7 @@ def build_dataloader(
     seed: int | None = None,
     rank: int = 0,
     num_ranks: int = 1,
+    participant_seed: int | None = None,
 ) -> DataSource:
     """The run's data as a resumable :class:`DataSource` of micro-batches.
 
@@ -50,10 +51,19 @@ def build_dataloader(
     ``rank``/``num_ranks`` give this process its own share of the samples (a DDP rank or a
     DiLoCo node): the shard, synthetic and byte-level streams read the global samples
     ``i * num_ranks + rank``, disjoint between ranks that pass the same ``seed``.
+
+    ``participant_seed`` (the ``data_seed`` hook's answer: a DiLoCo node keyed by its id) wins
+    over ``seed`` and gives this process its own sample order from every built-in source: the
+    synthetic stream's samples and the shards' shuffle are drawn from it, and the byte-level
+    and tokenized text streams and map-style datasets, read in order otherwise, are visited in
+    an order drawn from it. The source's ``split`` says which of these applies.
     """
     data = config.data
     micro = data.micro_batch_size
     check_rank(rank, num_ranks)
+    own_order = participant_seed is not None
+    stream_seed = participant_seed if own_order else seed if seed is not None else config.data_seed
+    split = _split_text(rank, num_ranks, participant_seed)
     if dataset is not None:
         if data.text_path or data.shards:
             log.warning(
@@ -61,21 +71,31 @@ def build_dataloader(
                 "shards" if data.shards else "text_path",
                 data.shards or data.text_path,
             )
-        return user_source(
-            config,
-            dataset,
-            seed if seed is not None else config.data_seed,
-            rank=rank,
-            num_ranks=num_ranks,
+        if own_order and isinstance(dataset, IterableDataset):
+            log.warning(
+                "%s is an iterable dataset: this process reads what it yields, the same as "
+                "every other node with this config (take `rank`/`num_ranks` in its "
+                "data.dataset factory and set distributed.num_nodes/node_rank to split it)",
+                type(dataset).__name__,
+            )
+        return _with_split(
+            user_source(
+                config,
+                dataset,
+                stream_seed,
+                rank=rank,
+                num_ranks=num_ranks,
+                shuffle=data.shuffle or own_order,
+            ),
+            split,
         )
 
     seq_len = _within("seq_len", data.seq_len, seq_len, "max_seq_len")
     if seq_len is None:
         raise DataError(MISSING_SEQ_LEN)
-    stream_seed = seed if seed is not None else config.data_seed
     if data.shards:
         limit = _within("vocab_size", data.vocab_size, vocab_size, "vocab_size")
-        return shard_source(
+        source = shard_source(
             data.shards,
             seq_len=seq_len,
             micro_batch_size=micro,
@@ -87,12 +107,20 @@ def build_dataloader(
             verify=data.verify_shards,
             config=config,
         )
+        return _with_split(source, split)
     if data.text_path:
         path = data.text_path
         if tokenizer is None or tokenizer is byte_tokenizer:
-            return _byte_text_source(
-                config, seq_len, vocab_size, rank=rank, num_ranks=num_ranks, held_out=False
+            source = _byte_text_source(
+                config,
+                seq_len,
+                vocab_size,
+                rank=rank,
+                num_ranks=num_ranks,
+                held_out=False,
+                order_seed=participant_seed,
             )
+            return _with_split(source, split)
         if text_holdout(config):
             raise DataError(
                 "eval.holdout_fraction holds out blocks of byte-level text only; with a "
@@ -100,7 +128,8 @@ def build_dataloader(
             )
         if num_ranks > 1:
             log.warning("a tokenized text stream is not split by rank; rank %d reads all", rank)
-        stream = TokenizedTextStream(path, seq_len, micro, tokenizer)
+            split = _split_text(0, 1, participant_seed) + " (tokenized text: not split by rank)"
+        stream = TokenizedTextStream(path, seq_len, micro, tokenizer, order_seed=participant_seed)
 
         def iterate_text(start: int) -> Iterator[Batch]:
             batches = nonempty(
@@ -115,11 +144,13 @@ def build_dataloader(
             exact_resume=False,
             description=f"text {path} ({getattr(tokenizer, '__name__', 'tokenizer')}, "
             f"seq {seq_len})",
+            split=split,
         )
 
     vocab = _within("vocab_size", data.vocab_size, vocab_size, "vocab_size")
     if vocab is None:
         raise DataError(MISSING_VOCAB)
+    reader = SyntheticTokenStream(vocab, seq_len, micro, stream_seed)
     return DataSource(
         lambda start: stream_batches(
             config,
@@ -128,7 +159,26 @@ def build_dataloader(
             ),
         ),
         description=f"synthetic (vocab {vocab}, seq {seq_len}, seed {stream_seed})",
+        split=split,
+        windows=Windows(lambda indices: split_windows(reader.windows_at(indices)), micro),
     )
+
+
+def _split_text(rank: int, num_ranks: int, participant_seed: int | None) -> str:
+    """How this process's share of the data is chosen, for logs and the train_start event."""
+    parts = []
+    if participant_seed is not None:
+        parts.append(f"own order (participant seed {participant_seed})")
+    if num_ranks > 1:
+        parts.append(f"disjoint slice {rank} of {num_ranks}")
+    return ", ".join(parts) or "not split"
+
+
+def _with_split(source: DataSource, split: str) -> DataSource:
+    # A source that knows better (an iterable dataset, which cannot be split) keeps its own.
+    if not source.split:
+        source.split = split
+    return source
 
 
 def build_eval_source(
@@ -212,9 +262,11 @@ def _byte_text_source(
     rank: int,
     num_ranks: int,
     held_out: bool,
+    order_seed: int | None = None,
 ) -> DataSource:
     """``data.text_path`` read as bytes: the training blocks, or (``held_out``) the held-out
-    tail that training skips; both split by rank. The file is checked now, in this process."""
+    tail that training skips; both split by rank, the training blocks in the order keyed by
+    ``order_seed`` when one is given. The file is checked now, in this process."""
     path = config.data.text_path
     if vocab_size is not None and vocab_size < BYTE_VOCAB:
         raise DataError(
@@ -228,8 +280,10 @@ def _byte_text_source(
         "num_ranks": num_ranks,
         "holdout_fraction": holdout,
         "held_out": held_out,
+        "order_seed": order_seed,
     }
-    blocks = ByteTextStream(path, seq_len, micro, **options).num_blocks
+    reader = ByteTextStream(path, seq_len, micro, **options)
+    blocks = reader.num_blocks
 
     def iterate(start: int) -> Iterator[Batch]:
         return stream_batches(config, ByteTextStream(path, seq_len, micro, start, **options))
@@ -240,7 +294,8 @@ def _byte_text_source(
         held = f", last {holdout:.0%} held out for eval" if holdout else ""
         description = f"text {path} (bytes, seq {seq_len}{held})"
     epoch = max(1, blocks // (micro * num_ranks))
-    return DataSource(iterate, description=description, epoch_batches=epoch)
+    windows = Windows(lambda indices: split_windows(reader.windows_at(indices)), micro, blocks)
+    return DataSource(iterate, description=description, epoch_batches=epoch, windows=windows)
 
 
 MISSING_SEQ_LEN = (

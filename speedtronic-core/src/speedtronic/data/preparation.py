@@ -1,9 +1,19 @@
 """``speedtronic data prepare``: tokenize a corpus once into memory-mappable token shards.
 
 Documents are tokenized whole (no BPE merge is ever split by a chunk edge) and separated by
-the tokenizer's EOS id. A document goes to the ``eval`` split when a keyed hash of its text
-falls below ``eval_fraction``: deterministic, independent of file order and worker count, and
-exact duplicates always land in the same split (no train/eval leakage through copies).
+the tokenizer's EOS id. Two ways to hold out ``eval_fraction`` for the ``eval`` split
+(``eval_split``):
+
+- ``documents``: a document goes to ``eval`` when a keyed hash of its text falls below
+  ``eval_fraction``: deterministic, independent of file order and worker count, and exact
+  duplicates always land in the same split (no train/eval leakage through copies). It holds out
+  about the asked fraction only when there are many documents (one text file is one document).
+- ``tail``: the last ``eval_fraction`` of the token stream (what nanoGPT's ``prepare.py`` does);
+  the only way to hold out part of one book.
+
+The default, ``auto``, is ``tail`` when the corpus has fewer than :data:`TAIL_BELOW_DOCUMENTS`
+documents and ``documents`` otherwise. A warning says when the held-out share differs from the
+asked one by more than a factor of two.
 
 Work is cut into tasks of a few MiB (line- or document-aligned byte ranges of big files, or
 several small files) and tokenized in ``workers`` spawned processes; the results are written in
@@ -61,7 +71,13 @@ from speedtronic.data.format import (
 )
 from speedtronic.errors import DataError
 
-__all__ = ["DEFAULT_SHARD_TOKENS", "PrepareResult", "prepare"]
+__all__ = [
+    "DEFAULT_SHARD_TOKENS",
+    "EVAL_SPLITS",
+    "TAIL_BELOW_DOCUMENTS",
+    "PrepareResult",
+    "prepare",
+]
 
 log = logging.getLogger("speedtronic.data")
 
@@ -70,6 +86,10 @@ DEFAULT_TASK_BYTES = 4 << 20
 _STAGING_PREFIX = ".prepare-"
 _LOCK_NAME = ".prepare.lock"
 _EVAL_KEY = b"speedtronic-eval-split"
+EVAL_SPLITS = ("auto", "documents", "tail")
+# Below this many documents, `auto` holds out the stream's tail: a per-document draw from a
+# handful of documents gives a fraction far from the asked one (or none at all).
+TAIL_BELOW_DOCUMENTS = 100
 
 
 @dataclass(frozen=True)
@@ -109,6 +129,7 @@ class PrepareResult:
     input_bytes: int
     elapsed_s: float
     workers: int
+    eval_split: str = "documents"
 
     def summary(self) -> str:
         """One line for the terminal."""
@@ -266,6 +287,29 @@ class _SplitWriter:
             if self._count == self.shard_tokens:
                 self._finish()
 
+    def cut_tail(self, count: int, into: _SplitWriter) -> None:
+        """Move the last ``count`` tokens written (all in closed shards) into ``into``: the
+        shard the cut falls in is rewritten shorter, those after it are removed."""
+        assert self._handle is None, "close() first"
+        kept = sum(shard["tokens"] for shard in self.shards) - count
+        if count <= 0:
+            return
+        position, start = 0, 0
+        while start + self.shards[position]["tokens"] <= kept:
+            start += self.shards[position]["tokens"]
+            position += 1
+        moved = self.shards[position:]
+        self.shards = self.shards[:position]
+        for number, shard in enumerate(moved):
+            path = self.directory / shard["file"]
+            tokens = np.fromfile(path, dtype=self.dtype)
+            head = kept - start if number == 0 else 0
+            into.write(tokens[head:])
+            path.unlink()
+            if head:
+                self.write(tokens[:head])
+        self.close()
+
     def close(self) -> list[dict[str, Any]]:
         if self._handle is not None:
             self._finish()
@@ -325,6 +369,24 @@ def _locked(out: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _removed_on_failure(out: Path, created: Path | None) -> Iterator[None]:
+    """A failed prepare leaves no trace of directories it created itself (``created``: the
+    highest of them, ``--out`` or a parent): its lock file goes, then each directory up to
+    ``created`` that is empty (the lock is released by then)."""
+    try:
+        yield
+    except BaseException:
+        if created is not None:
+            with contextlib.suppress(OSError):
+                (out / _LOCK_NAME).unlink(missing_ok=True)
+                for directory in (out, *out.parents):
+                    directory.rmdir()  # only when empty: never someone else's files
+                    if directory == created:
+                        break
+        raise
 
 
 def _check_replaceable(out: Path) -> None:
@@ -413,6 +475,43 @@ def _progress_bar(enabled: bool, total: int) -> Any:
     return progress
 
 
+def _fewer_documents(tasks: list[list[Piece]], read: ReadOptions, limit: int) -> bool:
+    """True when the corpus holds fewer than ``limit`` non-empty documents; stops reading at
+    the ``limit``-th, so a large corpus costs only its first documents."""
+    count = 0
+    for task in tasks:
+        for piece in task:
+            for text in read_piece(piece, read, Skips()):
+                count += bool(text)
+                if count >= limit:
+                    return False
+    return True
+
+
+def _check_fraction(asked: float, held: int, total: int, split: str) -> None:
+    """Warn when the held-out share is off the asked one by more than a factor of two."""
+    if not asked or not total:
+        return
+    realised = held / total
+    if asked / 2 <= realised <= asked * 2:
+        return
+    advice = (
+        "; with few documents use --eval-split tail (the last fraction of the token stream) "
+        "or --blank-line-documents (one document per blank-line-separated block)"
+        if split == "documents"
+        else ""
+    )
+    log.warning(
+        "--eval-fraction %g held out %.4g of the tokens (%d of %d) with --eval-split %s%s",
+        asked,
+        realised,
+        held,
+        total,
+        split,
+        advice,
+    )
+
+
 def _default_workers() -> int:
     try:
         cores = len(os.sched_getaffinity(0))
@@ -429,6 +528,7 @@ def prepare(
     text_field: str = "text",
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     eval_fraction: float = 0.0,
+    eval_split: str = "auto",
     workers: int | None = None,
     append_eos: bool = True,
     eos_token: str | None = None,
@@ -441,6 +541,7 @@ def prepare(
 ) -> PrepareResult:
     """Tokenize ``inputs`` into the token-shard directory ``out`` (see the module docstring).
 
+    ``eval_split`` is ``documents``, ``tail`` or ``auto`` (see the module docstring).
     ``progress`` shows a rich progress bar on stderr (default: when stderr is a terminal).
     ``workers`` defaults to the usable CPU cores (at most 16). ``on_result`` is called with
     each task's result, in order, before it is written.
@@ -450,6 +551,8 @@ def prepare(
         raise DataError(f"--shard-tokens must be at least 1, got {shard_tokens}")
     if not 0.0 <= eval_fraction < 1.0:
         raise DataError(f"--eval-fraction must be in [0, 1), got {eval_fraction}")
+    if eval_split not in EVAL_SPLITS:
+        raise DataError(f"--eval-split must be one of {', '.join(EVAL_SPLITS)}, got {eval_split!r}")
     if workers is not None and workers < 1:
         raise DataError(f"--workers must be at least 1, got {workers}")
     if max_doc_bytes < 1 or task_bytes < 1:
@@ -468,8 +571,25 @@ def prepare(
     files = find_inputs(inputs, exclude=out)
     skips = Skips()
     tasks = group_tasks(plan_pieces(files, read, task_bytes, skips), task_bytes)
-    options = TaskOptions(read, append_eos, int(eval_fraction * 2**64))
+    if eval_split == "auto":
+        few = eval_fraction > 0 and _fewer_documents(tasks, read, TAIL_BELOW_DOCUMENTS)
+        eval_split = "tail" if few else "documents"
+        if few:
+            log.info(
+                "fewer than %d documents: holding out the last %g of the token stream "
+                "(--eval-split tail)",
+                TAIL_BELOW_DOCUMENTS,
+                eval_fraction,
+            )
+    threshold = int(eval_fraction * 2**64) if eval_split == "documents" else 0
+    options = TaskOptions(read, append_eos, threshold)
 
+    # The highest directory this prepare creates (--out or a missing parent of it).
+    created: Path | None = None
+    for candidate in (out, *out.parents):
+        if candidate.exists():
+            break
+        created = candidate
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -477,7 +597,7 @@ def prepare(
     documents = dict.fromkeys(SPLITS, 0)
     tokens = dict.fromkeys(SPLITS, 0)
     empty = input_bytes = 0
-    with _locked(out):
+    with _removed_on_failure(out, created), _locked(out):
         for stale in out.glob(_STAGING_PREFIX + "*"):
             shutil.rmtree(stale, ignore_errors=True)  # left by a killed prepare
         staging = Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=out))
@@ -502,12 +622,24 @@ def prepare(
                         documents=sum(documents.values()),
                         tokens=sum(tokens.values()),
                     )
+            writers["train"].close()
+            if eval_split == "tail" and eval_fraction:
+                held = round(eval_fraction * tokens["train"])
+                writers["train"].cut_tail(held, writers["eval"])
+                tokens["train"] -= held
+                tokens["eval"] += held
             shards = {split: writer.close() for split, writer in writers.items()}
+            _check_fraction(eval_fraction, tokens["eval"], sum(tokens.values()), eval_split)
             if not tokens["train"]:
                 raise DataError(
                     f"no documents to train on in {', '.join(map(str, inputs))} "
                     f"({len(files)} files read, {empty} empty documents, {skips.count} bad "
                     f"records skipped, {documents['eval']} held out for eval)"
+                    + (
+                        "; to hold out part of few documents use --eval-split tail"
+                        if documents["eval"]
+                        else ""
+                    )
                 )
             index = {
                 "format": FORMAT_NAME,
@@ -522,6 +654,7 @@ def prepare(
                 "split_blank_lines": split_blank_lines,
                 "shard_tokens": shard_tokens,
                 "eval_fraction": eval_fraction,
+                "eval_split": eval_split,
                 "counts": {"empty_documents": empty, "skipped_records": skips.count},
                 "splits": {
                     split: {
@@ -555,4 +688,5 @@ def prepare(
         input_bytes=input_bytes,
         elapsed_s=time.perf_counter() - started,
         workers=workers,
+        eval_split=eval_split,
     )

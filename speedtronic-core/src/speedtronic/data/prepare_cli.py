@@ -33,6 +33,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         text_field=args.text_field,
         shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS,
         eval_fraction=args.eval_fraction,
+        eval_split=args.eval_split,
         workers=args.workers,
         append_eos=args.append_eos,
         eos_token=args.eos_token,
@@ -82,7 +83,15 @@ def add_data_commands(subparsers: Any) -> None:
         type=_fraction,
         default=0.0,
         metavar="F",
-        help="fraction of documents held out in DIR/eval (default 0)",
+        help="fraction held out in DIR/eval (default 0)",
+    )
+    prepare.add_argument(
+        "--eval-split",
+        choices=("auto", "documents", "tail"),
+        default="auto",
+        help="how --eval-fraction is held out: `documents` (whole documents, drawn by a hash "
+        "of their text), `tail` (the last fraction of the token stream), or `auto` (default: "
+        "tail for fewer than 100 documents, else documents)",
     )
     prepare.add_argument(
         "--workers",

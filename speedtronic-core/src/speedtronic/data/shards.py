@@ -40,10 +40,11 @@ from speedtronic.data.format import (
     FORMAT_VERSION,
     INDEX_NAME,
     MAX_INDEX_BYTES,
+    NO_EVAL_SPLIT_HINT,
     SHARD_FILE,
     SPLITS,
 )
-from speedtronic.data.source import DataSource, stream_batches
+from speedtronic.data.source import DataSource, Windows, stream_batches
 from speedtronic.data.streams import (
     _GOLDEN,
     _MASK64,
@@ -51,6 +52,7 @@ from speedtronic.data.streams import (
     IndexedTokenStream,
     _mix64,
     _seed_key,
+    split_windows,
 )
 from speedtronic.errors import DataError
 
@@ -521,7 +523,7 @@ def shard_source(
         )
     shards = check_shards(index, split, verify=verify, where=where)
     if not shards:
-        hint = " (prepare it with --eval-fraction above 0)" if split == "eval" else ""
+        hint = f" ({NO_EVAL_SPLIT_HINT})" if split == "eval" else ""
         raise DataError(f"{where}: {index.directory} has no {split} split{hint}")
     shuffle = split == "train" if shuffle is None else shuffle
 
@@ -540,7 +542,8 @@ def shard_source(
             vocab_size=index.vocab_size,
         )
 
-    windows = stream(0).num_windows  # fails now if no window fits
+    reader = stream(0)  # fails now if no window fits
+    windows = reader.num_windows
 
     def iterate(start: int) -> Iterator[Batch]:
         built = stream(start)
@@ -551,6 +554,11 @@ def shard_source(
     return DataSource(
         iterate,
         epoch_batches=max(1, windows // (micro_batch_size * num_ranks)),
+        # A shuffled split is read by sample number like any other: sample g < W is the
+        # first epoch's g-th window, so samples 0 .. W - 1 are every window once.
+        windows=Windows(
+            lambda indices: split_windows(reader.windows_at(indices)), micro_batch_size, windows
+        ),
         description=f"shards {index.directory}/{split} ({len(shards)} shards, "
         f"{index.tokens(split)} {index.dtype} tokens, {windows} windows of seq {seq_len}, "
         f"{order}{ranks})",

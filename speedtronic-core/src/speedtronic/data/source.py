@@ -9,15 +9,28 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
+import numpy as np
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.data.streams import Batch
 from speedtronic.errors import DataError, SpeedtronicError
 
-__all__ = ["DataSource", "repeat_epochs"]
+__all__ = ["DataSource", "Windows", "repeat_epochs"]
 
 log = logging.getLogger("speedtronic.data")
+
+
+@dataclass(frozen=True)
+class Windows:
+    """Random access to the samples (windows) of an indexed source, whatever its rank split:
+    ``read(indices)`` is the micro-batch of the given global sample numbers, ``count`` the
+    distinct samples of the whole split (all ranks together; None for an endless stream).
+    Evaluation uses it to pick samples spread over the whole split."""
+
+    read: Callable[[np.ndarray], Any]
+    micro_batch_size: int
+    count: int | None = None
 
 
 @dataclass
@@ -31,6 +44,11 @@ class DataSource:
     # Micro-batches (of this rank) in one pass over finite data before samples repeat; None
     # for an endless stream (synthetic) or an unknown size. Evaluation reads at most this many.
     epoch_batches: int | None = None
+    # How this process's share was chosen ("not split", "disjoint slice 1 of 3", "own order
+    # (participant seed ...)"): logged and sent with the train_start event.
+    split: str = ""
+    # Random access to the samples by number (the built-in streams and map-style datasets).
+    windows: Windows | None = None
 
     def iterate(self, start_sample: int = 0) -> Iterator[Any]:
         """An iterator over micro-batches starting at sample ``start_sample``."""

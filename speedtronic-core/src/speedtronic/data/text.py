@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from speedtronic.data.shards import permute_windows
 from speedtronic.data.streams import Batch, IndexedTokenStream, split_windows
 from speedtronic.errors import DataError
 
@@ -84,6 +85,10 @@ class ByteTextStream(_OwnFileHandle, IndexedTokenStream):
     Each sample is one ``seek`` + ``read`` of its own block: nothing loads the file into RAM and
     each DataLoader worker reads only the blocks of the batches it builds. After the last
     complete block the stream wraps around to the start of the file.
+
+    With ``order_seed`` (a participant of a multi-node run reading its own order), epoch ``e``
+    (samples ``e * num_blocks ..``) visits the blocks in the pseudo-random permutation keyed by
+    ``(order_seed, e)`` instead: every block once per epoch, a different order per seed.
     """
 
     def __init__(
@@ -97,9 +102,11 @@ class ByteTextStream(_OwnFileHandle, IndexedTokenStream):
         num_ranks: int = 1,
         holdout_fraction: float = 0.0,
         held_out: bool = False,
+        order_seed: int | None = None,
     ) -> None:
         super().__init__(seq_len, micro_batch_size, start_sample, rank=rank, num_ranks=num_ranks)
         self.path = str(path)
+        self.order_seed = order_seed
         size = check_text_file(self.path)
         total = (size - 1) // seq_len
         # The last `holdout_fraction` of the blocks are held out: training (held_out=False)
@@ -119,8 +126,12 @@ class ByteTextStream(_OwnFileHandle, IndexedTokenStream):
         handle = self._file()
         width = self.seq_len + 1
         out = np.empty((len(indices), width), dtype=np.int64)
-        for row, index in enumerate(indices.tolist()):
-            handle.seek((self.first_block + index % self.num_blocks) * self.seq_len)
+        blocks = indices % self.num_blocks
+        if self.order_seed is not None:
+            epochs = indices // self.num_blocks
+            blocks = permute_windows(blocks, self.num_blocks, self.order_seed, epochs)
+        for row, block in enumerate(blocks.tolist()):
+            handle.seek((self.first_block + block) * self.seq_len)
             out[row] = np.frombuffer(handle.read(width), dtype=np.uint8)
         return out
 
@@ -144,6 +155,10 @@ class TokenizedTextStream(_OwnFileHandle, IterableDataset):
     ``scan_bytes`` past each edge to find it. Each chunk yields complete, non-overlapping blocks
     of ``seq_len + 1`` tokens (stride ``seq_len``); its short tail is dropped. The blocks of all
     workers together are exactly those of a single process.
+
+    With ``order_seed`` (a participant of a multi-node run reading its own order), pass ``p``
+    over the file visits the chunks, and the blocks inside each chunk, in orders drawn from
+    ``(order_seed, p)``: the same blocks, a different sequence per seed.
     """
 
     yields_batches = True
@@ -156,6 +171,7 @@ class TokenizedTextStream(_OwnFileHandle, IterableDataset):
         tokenizer: Tokenizer,
         chunk_bytes: int = 1 << 20,
         scan_bytes: int = 1 << 16,
+        order_seed: int | None = None,
     ) -> None:
         if chunk_bytes < 2:
             raise DataError(f"chunk_bytes must be at least 2, got {chunk_bytes}")
@@ -168,6 +184,7 @@ class TokenizedTextStream(_OwnFileHandle, IterableDataset):
         self.scan_bytes = max(1, min(scan_bytes, chunk_bytes // 2))
         self.size = check_text_file(self.path)
         self.num_chunks = math.ceil(self.size / chunk_bytes)
+        self.order_seed = order_seed
 
     def edge(self, nominal: int) -> int:
         """Where the chunk edge nominally at byte ``nominal`` really is."""
@@ -190,25 +207,36 @@ class TokenizedTextStream(_OwnFileHandle, IterableDataset):
         """The byte range ``[start, end)`` of chunk ``chunk``."""
         return self.edge(chunk * self.chunk_bytes), self.edge((chunk + 1) * self.chunk_bytes)
 
-    def blocks(self, worker: int = 0, workers: int = 1) -> Iterator[np.ndarray]:
-        """One pass over this worker's chunks, as token blocks of length ``seq_len + 1``."""
+    def _rng(self, *key: int) -> np.random.Generator:
+        assert self.order_seed is not None
+        return np.random.default_rng([self.order_seed & ((1 << 64) - 1), *key])
+
+    def blocks(self, worker: int = 0, workers: int = 1, epoch: int = 0) -> Iterator[np.ndarray]:
+        """Pass ``epoch`` over this worker's chunks, as token blocks of length ``seq_len + 1``."""
         width = self.seq_len + 1
-        for chunk in range(worker, self.num_chunks, workers):
+        chunks = np.arange(self.num_chunks)
+        if self.order_seed is not None:
+            chunks = self._rng(epoch).permutation(self.num_chunks)
+        for chunk in chunks[worker::workers].tolist():
             start, end = self.chunk_range(chunk)
             handle = self._file()
             handle.seek(start)
             text = handle.read(end - start).decode("utf-8", errors="replace")
             tokens = _token_array(self.tokenizer(text))
-            for offset in range(0, len(tokens) - width + 1, self.seq_len):
+            offsets = np.arange(0, len(tokens) - width + 1, self.seq_len)
+            if self.order_seed is not None:
+                offsets = self._rng(epoch, chunk).permutation(offsets)
+            for offset in offsets.tolist():
                 yield tokens[offset : offset + width]
 
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         pending: list[np.ndarray] = []
+        epoch = 0
         while True:
             produced = False
-            for block in self.blocks(worker, workers):
+            for block in self.blocks(worker, workers, epoch):
                 produced = True
                 pending.append(block)
                 if len(pending) == self.micro_batch_size:
@@ -219,3 +247,4 @@ class TokenizedTextStream(_OwnFileHandle, IterableDataset):
                 # workers carry on; if none has a block, the loader ends and
                 # build_dataloader reports it.
                 return
+            epoch += 1

@@ -7,11 +7,18 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
-from torch.utils.data import Dataset, IterableDataset, Sampler
+from torch.utils.data import Dataset, IterableDataset, Sampler, default_collate
 
 from speedtronic.config import SpeedtronicConfig
-from speedtronic.data.source import DataSource, make_loader, repeat_epochs, skip_samples
+from speedtronic.data.source import (
+    DataSource,
+    Windows,
+    make_loader,
+    repeat_epochs,
+    skip_samples,
+)
 from speedtronic.data.streams import _MASK64
 from speedtronic.errors import DataError
 
@@ -27,9 +34,11 @@ def user_source(
     *,
     rank: int = 0,
     num_ranks: int = 1,
+    shuffle: bool | None = None,
 ) -> DataSource:
     """A :class:`DataSource` over a user dataset: a map-style one in a seeded per-epoch order
-    (exact resume), an iterable one epoch after epoch (resume re-reads and skips).
+    (``shuffle``, default ``data.shuffle``; exact resume), an iterable one epoch after epoch
+    (resume re-reads and skips).
 
     A map-style dataset is split by ``rank``/``num_ranks`` like the built-in streams: rank
     ``r`` takes positions ``i * num_ranks + r`` of the shared order (as DistributedSampler
@@ -38,6 +47,7 @@ def user_source(
     that takes ``rank``/``num_ranks`` receives them)."""
     data = config.data
     micro = data.micro_batch_size
+    shuffle = data.shuffle if shuffle is None else shuffle
     batch_size = None if getattr(dataset, "yields_batches", False) else micro
     name = type(dataset).__name__
 
@@ -63,7 +73,12 @@ def user_source(
                 rank,
                 num_ranks,
             )
-        return DataSource(iterate, exact_resume=False, description=name)
+        return DataSource(
+            iterate,
+            exact_resume=False,
+            description=name,
+            split="not split (an iterable dataset decides what each process reads)",
+        )
 
     try:
         length = len(dataset)  # type: ignore[arg-type]
@@ -76,7 +91,7 @@ def user_source(
         # Epoch e's order depends only on (seed, e), so resuming at any sample is exact.
         epoch, offset = divmod(start, length)
         while True:
-            if data.shuffle:
+            if shuffle:
                 generator = torch.Generator().manual_seed((seed * 1_000_003 + epoch) & _MASK64)
                 indices = torch.randperm(length, generator=generator).tolist()
             else:
@@ -97,7 +112,14 @@ def user_source(
         return iter(loader)
 
     split = f", rank {rank} of {num_ranks}" if num_ranks > 1 else ""
-    return DataSource(iterate_map, description=f"{name} ({length} samples{split})")
+    windows = None
+    if batch_size is not None:  # items are samples: a micro-batch is their collation
+
+        def read(indices: np.ndarray) -> Any:
+            return default_collate([dataset[int(index)] for index in indices])
+
+        windows = Windows(read, micro, length)
+    return DataSource(iterate_map, description=f"{name} ({length} samples{split})", windows=windows)
 
 
 class _OrderSampler(Sampler[int]):

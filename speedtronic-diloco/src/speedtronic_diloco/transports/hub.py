@@ -56,16 +56,14 @@ from huggingface_hub import (
     CommitOperationDelete,
     HfApi,
     get_token,
-    hf_hub_url,
 )
 from huggingface_hub.errors import (
-    HfHubHTTPError,
     HfUriError,
     RemoteEntryNotFoundError,
     RevisionNotFoundError,
 )
 from huggingface_hub.hf_api import RepoFile
-from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+from huggingface_hub.utils import build_hf_headers
 
 from speedtronic_diloco import __version__
 from speedtronic_diloco.identity import validate_node_id
@@ -90,9 +88,17 @@ from speedtronic_diloco.transports.base import (
     named_fragments,
     parse_delta_path,
     redact_userinfo,
-    write_verified,
 )
-from speedtronic_diloco.transports.hub_errors import classify, redact
+from speedtronic_diloco.transports.hub_commits import (
+    Commit,
+    Done,
+    PublishConflictError,
+    checked_add,
+    commit_on_head,
+    refuse_if_not_newer,
+)
+from speedtronic_diloco.transports.hub_errors import classify, raise_redacted, redact
+from speedtronic_diloco.transports.hub_files import HubFiles
 from speedtronic_diloco.transports.hub_session import hub_call
 
 if TYPE_CHECKING:
@@ -112,15 +118,8 @@ DEFAULT_ENDPOINT = "https://huggingface.co"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _GIT_OID = re.compile(r"^[0-9a-f]{40}$")
-_HEAD_RACES = 5  # commits again at most this often when deltas keep moving the branch
-_CHUNK = 1 << 20
 _LIBRARY = {"library_name": "speedtronic-diloco", "library_version": __version__}
 T = TypeVar("T")
-
-
-class PublishConflictError(PermanentTransportError):
-    """Another master already published the same or a newer outer step; this publication was
-    refused rather than overwriting it (the Hub's HTTP 412 path)."""
 
 
 def resolve_endpoint(endpoint: str | None = None) -> str:
@@ -137,45 +136,6 @@ def resolve_endpoint(endpoint: str | None = None) -> str:
 def fragment_path(index: int) -> str:
     """The store path of fragment ``index``'s global file on the Hub (one per fragment)."""
     return f"global/fragment_{index}.safetensors"
-
-
-def _repo_commit(response: Any) -> str | None:
-    """The commit a resolve response was served from (first ``X-Repo-Commit`` seen, redirects
-    included: the Hub sets it on the redirect to the CDN, not on the CDN's reply)."""
-    for step in (*response.history, response):
-        commit = step.headers.get("X-Repo-Commit")
-        if commit:
-            return str(commit)
-    return None
-
-
-def _mentions(error: BaseException | None, clean: Callable[[str], str]) -> bool:
-    """Whether ``error`` or any exception chained to it says something that ``clean``
-    (redaction) would change."""
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        for text in (_text(error), repr(error.args)):
-            if clean(text) != text:
-                return True
-        error = error.__cause__ or error.__context__
-    return False
-
-
-def _text(error: BaseException) -> str:
-    try:
-        return str(error)
-    except Exception:
-        return type(error).__name__
-
-
-def _rebuilt(error: Exception, message: str) -> Exception:
-    """A copy of the transport error ``error`` with ``message`` (its attributes kept)."""
-    if isinstance(error, LeaseConflictError):
-        clean: Exception = LeaseConflictError(message, error.current)
-    else:
-        clean = type(error)(message)
-    return clean
 
 
 class HubTransport(Transport):
@@ -214,6 +174,7 @@ class HubTransport(Transport):
         where = "" if self.endpoint == DEFAULT_ENDPOINT else f" on {shown}"
         self.description = f"hf://{repo_id}{where}"
         self._publish_lock = threading.Lock()
+        self._files = HubFiles(repo_id, self.endpoint, self._headers)
 
     @classmethod
     def from_config(cls, config: DistributedConfig | Any) -> HubTransport:
@@ -244,17 +205,7 @@ class HubTransport(Transport):
             error = classify(exc, f"{self.description}: {what}")
             if error is None:  # a programming error: keep it as it is
                 raise
-        # Raised outside the except block, so that a redacted error keeps no __context__.
-        cause = failure.__cause__ if error is failure else failure
-        # A server echoing a secret must not leak it through the chained exceptions either.
-        leaked = _mentions(error, self._redact) or _mentions(cause, self._redact)
-        if error is failure and not leaked:
-            raise failure
-        clean = _rebuilt(error, self._redact(_text(error)))
-        clean.__dict__.update(error.__dict__)  # retry_after and the like
-        if leaked:
-            raise clean from None
-        raise clean from cause
+        raise_redacted(failure, error, self._redact)
 
     def _redact(self, text: str) -> str:
         """``text`` without the token and the endpoint URL's credentials."""
@@ -272,57 +223,6 @@ class HubTransport(Transport):
 
     def _headers(self) -> dict[str, str]:
         return build_hf_headers(token=self._token, **_LIBRARY)
-
-    def _get_bytes(
-        self, path: str, revision: str, limit: int = METADATA_LIMIT
-    ) -> tuple[str | None, bytes | None]:
-        """``(commit, content)`` of a small file at ``revision``; content None when the file
-        does not exist there (the repository itself missing still raises)."""
-        url = hf_hub_url(self.repo_id, path, revision=revision, endpoint=self.endpoint)
-        with get_session().stream("GET", url, headers=self._headers()) as response:
-            commit = _repo_commit(response)
-            try:
-                hf_raise_for_status(response)
-            except RemoteEntryNotFoundError:
-                return commit, None
-            data = bytearray()
-            for chunk in response.iter_bytes(_CHUNK):
-                data += chunk
-                if len(data) > limit:
-                    raise PermanentTransportError(f"{path} is larger than {limit} bytes")
-            return commit, bytes(data)
-
-    def _download(
-        self,
-        path: str,
-        revision: str,
-        dest: Path,
-        *,
-        size: int | None,
-        sha256: str | None = None,
-        git_oid: str | None = None,
-    ) -> Path:
-        """Stream ``path`` at ``revision`` into ``dest`` (temp file + rename), checking size,
-        sha256 and git blob id where given; IntegrityError (and no ``dest``) on mismatch."""
-        url = hf_hub_url(self.repo_id, path, revision=revision, endpoint=self.endpoint)
-        where = f"{path}@{revision[:12]}"
-        with get_session().stream("GET", url, headers=self._headers()) as response:
-            hf_raise_for_status(response)
-            announced = response.headers.get("Content-Length")
-            plain = response.headers.get("Content-Encoding") in (None, "identity")
-            if size is not None and announced and plain and int(announced) != size:
-                Path(dest).unlink(missing_ok=True)
-                raise IntegrityError(
-                    f"{where}: the Hub announces {announced} bytes, expected {size}"
-                )
-            return write_verified(
-                response.iter_bytes(_CHUNK),
-                dest,
-                where=where,
-                size=size,
-                sha256=sha256,
-                git_oid=git_oid,
-            )
 
     # -- the Transport interface -----------------------------------------------------------
 
@@ -374,16 +274,16 @@ class HubTransport(Transport):
         """``(head commit, the file at that commit or None)``, consistent with each other: one
         GET of the branch head normally (the reply names its commit); if a proxy dropped that
         header, the head is looked up first and the file read pinned to it."""
-        commit, raw = self._get_bytes(path, "main", limit)
+        commit, raw = self._files.get_bytes(path, "main", limit)
         if commit is not None:
             return commit, raw
         head = self._api.model_info(self.repo_id, revision="main", timeout=self.request_timeout)
         if not head.sha:
             raise TransientTransportError(f"{self.description}: the Hub named no head commit")
-        return head.sha, self._get_bytes(path, head.sha, limit)[1]
+        return head.sha, self._files.get_bytes(path, head.sha, limit)[1]
 
     def _lease_at(self, revision: str) -> Lease | None:
-        raw = self._get_bytes(LEASE_FILE, revision, LEASE_LIMIT)[1]
+        raw = self._files.get_bytes(LEASE_FILE, revision, LEASE_LIMIT)[1]
         return None if raw is None else Lease.loads(raw, f"{self.description}: {LEASE_FILE}")
 
     def read_global_metadata(self) -> GlobalMetadata | None:
@@ -399,7 +299,7 @@ class HubTransport(Transport):
 
         def fetch() -> Path:
             try:
-                return self._download(
+                return self._files.download(
                     metadata.model_file,
                     revision,
                     Path(dest),
@@ -443,12 +343,12 @@ class HubTransport(Transport):
         for index, source in sorted(files.items()):
             entry = published.fragment_files[index]
             what = f"fragment {index} is published with"
-            operations.append(_checked_add(entry.file, source, entry.sha256, entry.size, what))
+            operations.append(checked_add(entry.file, source, entry.sha256, entry.size, what))
         return self._commit_global(operations, published)
 
     def _publish(self, weights: Path, published: GlobalMetadata) -> GlobalMetadata:
         what = "of the metadata being published"
-        add = _checked_add(GLOBAL_WEIGHTS, weights, published.sha256, published.size, what)
+        add = checked_add(GLOBAL_WEIGHTS, weights, published.sha256, published.size, what)
         return self._commit_global([add], published)
 
     def _commit_global(
@@ -456,8 +356,8 @@ class HubTransport(Transport):
     ) -> GlobalMetadata:
         """Commit ``files`` and ``published`` on the head, fenced and checked (module doc)."""
         payload = published.dumps()
-        raced = False
-        for _ in range(_HEAD_RACES):
+
+        def prepare(raced: bool) -> Commit | Done:
             head, current = self._head_metadata()
             if current == payload:  # an earlier attempt landed and only its reply was lost
                 log.info(
@@ -466,7 +366,7 @@ class HubTransport(Transport):
                     published.outer_step,
                     head[:12],
                 )
-                return published.with_revision(head)
+                return Done(published.with_revision(head))
             if published.lease_epoch is not None:
                 check_fence(
                     self._lease_at(head),
@@ -475,64 +375,21 @@ class HubTransport(Transport):
                     f"{self.description}: publishing outer step {published.outer_step}",
                 )
             if current is not None:
-                self._refuse_if_not_newer(current, head, published, raced)
-            operations = [*files, CommitOperationAdd(GLOBAL_METADATA, payload)]
-            try:
-                info = self._api.create_commit(
-                    self.repo_id,
-                    operations,
-                    commit_message=f"DumbDiLoCo: global weights, outer step {published.outer_step}",
-                    parent_commit=head,
-                )
-            except HfHubHTTPError as exc:
-                if exc.response is None or exc.response.status_code != 412:
-                    raise
-                raced = True
-                log.info(
-                    "%s: the branch moved while publishing (HTTP 412); reading it again",
-                    self.description,
-                )
-                continue
-            return published.with_revision(info.oid)
-        raise TransientTransportError(
-            f"{self.description}: the branch moved {_HEAD_RACES} times while publishing outer "
-            f"step {published.outer_step} (many concurrent uploads); try again"
-        )
+                refuse_if_not_newer(self.description, current, head, published, raced)
+            return Commit(
+                head,
+                [*files, CommitOperationAdd(GLOBAL_METADATA, payload)],
+                f"DumbDiLoCo: global weights, outer step {published.outer_step}",
+                lambda info: published.with_revision(info.oid),
+            )
 
-    def _refuse_if_not_newer(
-        self, current: bytes, head: str, published: GlobalMetadata, raced: bool
-    ) -> None:
-        """Raise PublishConflictError when the branch already holds this outer step or a newer
-        one (published by another master: ours would have matched the payload)."""
-        try:
-            remote = GlobalMetadata.loads(current, revision=head)
-        except PermanentTransportError as exc:
-            log.warning(
-                "%s: the published metadata is malformed (%s); replacing it", self.description, exc
-            )
-            return
-        if remote.outer_step < published.outer_step:
-            return
-        ours, theirs = published.lease_epoch, remote.lease_epoch
-        if ours is not None and (theirs is None or theirs < ours):
-            # Written without a lease or under an older one, and ours is checked at this very
-            # head: this master is the store's master now, and its numbering wins.
-            log.warning(
-                "%s: the published metadata claims outer step %d (lease epoch %s); this master "
-                "holds lease epoch %d and replaces it with outer step %d",
-                self.description,
-                remote.outer_step,
-                theirs,
-                ours,
-                published.outer_step,
-            )
-            return
-        how = " (the Hub refused our commit with HTTP 412: it raced with it)" if raced else ""
-        raise PublishConflictError(
-            f"{self.description}: master {remote.master or '?'!r} already published outer step "
-            f"{remote.outer_step} at commit {head[:12]}; refusing to publish outer step "
-            f"{published.outer_step} over it{how}. Run exactly one master per repository; a "
-            "restarted master adopts the newer global."
+        return commit_on_head(
+            self._api,
+            self.repo_id,
+            self.description,
+            f"publishing outer step {published.outer_step}",
+            prepare,
+            hint=" (many concurrent uploads); try again",
         )
 
     def upload_delta(self, node_id: str, local_step: int, source: Path) -> None:
@@ -564,7 +421,7 @@ class HubTransport(Transport):
         etag = (info.etag or "").lower()
         return self._call(
             f"download {info.path}",
-            lambda: self._download(
+            lambda: self._files.download(
                 info.path,
                 "main",
                 Path(dest),
@@ -587,32 +444,27 @@ class HubTransport(Transport):
         return self._call(f"write {LEASE_FILE}", lambda: self._write_lease(lease, expected))
 
     def _write_lease(self, lease: Lease, expected: Lease | None) -> Lease:
-        for _ in range(_HEAD_RACES):
+        def prepare(raced: bool) -> Commit | Done:
             head, raw = self._head_file(LEASE_FILE, LEASE_LIMIT)
             try:
                 current = None if raw is None else Lease.loads(raw, self.description)
             except PermanentTransportError:  # a malformed lease is no lease
                 current = None
             if current == lease:  # an earlier attempt landed and only its reply was lost
-                return lease
+                return Done(lease)
             if current != expected:
                 raise LeaseConflictError(
                     f"{self.description}: the lease changed (now {current})", current
                 )
-            try:
-                self._api.create_commit(
-                    self.repo_id,
-                    [CommitOperationAdd(LEASE_FILE, lease.dumps())],
-                    commit_message=f"DumbDiLoCo: lease of {lease.holder}, epoch {lease.epoch}",
-                    parent_commit=head,
-                )
-            except HfHubHTTPError as exc:
-                if exc.response is None or exc.response.status_code != 412:
-                    raise
-                continue
-            return lease
-        raise TransientTransportError(
-            f"{self.description}: the branch moved {_HEAD_RACES} times while writing the lease"
+            return Commit(
+                head,
+                [CommitOperationAdd(LEASE_FILE, lease.dumps())],
+                f"DumbDiLoCo: lease of {lease.holder}, epoch {lease.epoch}",
+                lambda info: lease,
+            )
+
+        return commit_on_head(
+            self._api, self.repo_id, self.description, "writing the lease", prepare
         )
 
     def delete_deltas(self, infos: Sequence[DeltaInfo], *, fence: Lease | None = None) -> int:
@@ -625,7 +477,7 @@ class HubTransport(Transport):
         )
 
     def _delete(self, infos: list[DeltaInfo], fence: Lease | None) -> int:
-        for _ in range(_HEAD_RACES):
+        def prepare(raced: bool) -> Commit | Done:
             head, raw = self._head_file(LEASE_FILE, LEASE_LIMIT)
             if fence is not None:
                 current = None if raw is None else Lease.loads(raw, f"{self.description}: lease")
@@ -633,22 +485,15 @@ class HubTransport(Transport):
             present = {info.path: info.etag for info in self._deltas_at(head)}
             doomed = [info.path for info in infos if present.get(info.path) == info.etag]
             if not doomed:
-                return 0
-            try:
-                self._api.create_commit(
-                    self.repo_id,
-                    [CommitOperationDelete(path_in_repo=path) for path in doomed],
-                    commit_message=f"DumbDiLoCo: delete {len(doomed)} processed deltas",
-                    parent_commit=head,
-                )
-            except HfHubHTTPError as exc:
-                if exc.response is None or exc.response.status_code != 412:
-                    raise
-                continue
-            return len(doomed)
-        raise TransientTransportError(
-            f"{self.description}: the branch moved {_HEAD_RACES} times while deleting deltas"
-        )
+                return Done(0)
+            return Commit(
+                head,
+                [CommitOperationDelete(path_in_repo=path) for path in doomed],
+                f"DumbDiLoCo: delete {len(doomed)} processed deltas",
+                lambda info: len(doomed),
+            )
+
+        return commit_on_head(self._api, self.repo_id, self.description, "deleting deltas", prepare)
 
     def _deltas_at(self, revision: str) -> list[DeltaInfo]:
         try:
@@ -688,14 +533,3 @@ class HubTransport(Transport):
 
     def close(self) -> None:
         """Nothing to release: connections belong to the client's shared pool."""
-
-
-def _checked_add(
-    path_in_repo: str, source: Path, sha256: str, size: int, what: str
-) -> CommitOperationAdd:
-    """The commit operation adding ``source`` (which hashes the file once), refused when the
-    file is not the one the metadata names (``what`` says which entry)."""
-    operation = CommitOperationAdd(path_in_repo, str(source))
-    if (operation.upload_info.sha256.hex(), operation.upload_info.size) != (sha256, size):
-        raise PermanentTransportError(f"{source} does not match the sha256/size {what}")
-    return operation

@@ -21,7 +21,8 @@ from __future__ import annotations
 import email.utils
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import NoReturn
 
 from huggingface_hub.errors import (
     DisabledRepoError,
@@ -41,6 +42,7 @@ from huggingface_hub.errors import (
 )
 
 from speedtronic_diloco.transports.base import (
+    LeaseConflictError,
     PermanentTransportError,
     TransientTransportError,
     TransportError,
@@ -48,7 +50,15 @@ from speedtronic_diloco.transports.base import (
 )
 from speedtronic_diloco.transports.hub_session import HubRequestFailed, http, safe_url
 
-__all__ = ["classify", "redact", "retry_after"]
+__all__ = [
+    "classify",
+    "error_text",
+    "mentions",
+    "raise_redacted",
+    "rebuilt",
+    "redact",
+    "retry_after",
+]
 
 _TRANSIENT_STATUS = frozenset({408, 429})
 # `RateLimit: "api";r=0;t=55`: r requests remain in the window, which resets in t seconds.
@@ -194,3 +204,50 @@ def classify(error: BaseException, what: str) -> TransportError | None:
     if isinstance(error, OSError):  # local I/O trouble (full disk...) may pass
         return _transient(f"{what}: {error}")
     return None
+
+
+def mentions(error: BaseException | None, clean: Callable[[str], str]) -> bool:
+    """Whether ``error`` or any exception chained to it says something that ``clean``
+    (redaction) would change."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        for text in (error_text(error), repr(error.args)):
+            if clean(text) != text:
+                return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def error_text(error: BaseException) -> str:
+    try:
+        return str(error)
+    except Exception:
+        return type(error).__name__
+
+
+def rebuilt(error: Exception, message: str) -> Exception:
+    """A copy of the transport error ``error`` with ``message`` (its attributes kept)."""
+    if isinstance(error, LeaseConflictError):
+        clean: Exception = LeaseConflictError(message, error.current)
+    else:
+        clean = type(error)(message)
+    return clean
+
+
+def raise_redacted(
+    failure: Exception, error: Exception, redactor: Callable[[str], str]
+) -> NoReturn:
+    """Raise ``error`` (the translation of ``failure``) with every secret ``redactor`` removes
+    taken out of its message, and without a chained exception that still shows one. Call it
+    outside the ``except`` block, so that a redacted error keeps no ``__context__``."""
+    cause = failure.__cause__ if error is failure else failure
+    # A server echoing a secret must not leak it through the chained exceptions either.
+    leaked = mentions(error, redactor) or mentions(cause, redactor)
+    if error is failure and not leaked:
+        raise failure
+    clean = rebuilt(error, redactor(error_text(error)))
+    clean.__dict__.update(error.__dict__)  # retry_after and the like
+    if leaked:
+        raise clean from None
+    raise clean from cause

@@ -1,0 +1,155 @@
+"""CPU threads: ``run.threads: auto`` against one thread and torch's default, idle and loaded.
+
+Each measurement is one real ``speedtronic train`` process (a reference transformer on the
+synthetic stream, no checkpoints, no eval) with ``run.threads`` set to ``auto``, ``1`` or
+``null`` (torch's default: every core, and the OpenMP runtime's default spin-waiting). Its
+steps per second come from the run's own ``train_end`` summary (steps / elapsed_s), so process
+start-up and model building are not counted.
+
+Two conditions, interleaved round by round so that a change in the machine's other load hits
+every variant alike: ``idle`` (nothing started by this script; on a shared machine other
+tenants still run) and ``loaded`` (this script starts ``--hogs`` processes that spin
+``while True: pass``). Within a round the variants run in a rotated order. The table gives the
+median steps/s per variant and condition and its ratio to the best variant of that condition;
+``auto`` should be within 10% of the best in both.
+
+    python benchmarks/threads.py --quick      # 15-20 minutes on 2 cores under a load of ~15
+    python benchmarks/threads.py              # the figures in docs/engine.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+VARIANTS = {"auto": "auto", "1": 1, "default": None}
+PRESETS = {"quick": (15, 2), "full": (40, 4)}  # (steps per run, rounds)
+
+
+def config(steps: int, output_dir: str, threads: Any, events: str) -> dict[str, Any]:
+    return {
+        "run": {
+            "device": "cpu",
+            "max_steps": steps,
+            "output_dir": output_dir,
+            "threads": threads,
+        },
+        "model": {
+            "name": "reference_transformer",
+            "vocab_size": 256,
+            "max_seq_len": 64,
+            "n_layer": 2,
+            "n_head": 4,
+            "n_kv_head": 2,
+            "d_model": 128,
+        },
+        "data": {"micro_batch_size": 16},
+        "precision": {"mode": "fp32"},
+        "checkpoint": {"interval": 0, "save_final": False},
+        "logging": {"log_every": steps, "json_file": events, "progress": False},
+    }
+
+
+def one_run(threads: Any, steps: int, workdir: Path, index: int) -> tuple[float, int]:
+    """(steps/s, threads used) of one `speedtronic train` process."""
+    run_dir = workdir / f"run{index}"
+    events = run_dir / "events.jsonl"
+    run_dir.mkdir()
+    path = run_dir / "config.yaml"
+    path.write_text(yaml.safe_dump(config(steps, str(run_dir), threads, str(events))))
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
+    subprocess.run(
+        [sys.executable, "-m", "speedtronic", "train", "--config", str(path)],
+        check=True,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        timeout=1800,
+    )
+    records = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
+    end = next(r for r in records if r.get("event") == "train_end")
+    start = next(r for r in records if r.get("event") == "train_start")
+    return end["steps"] / end["elapsed_s"], int(start["threads"])
+
+
+@contextmanager
+def hogs(count: int):
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        time.sleep(0.5)  # let the scheduler see them
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
+
+
+def main() -> None:
+    # A `timeout` or kill -TERM must still stop the hogs (the finally blocks run on SystemExit).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps and rounds")
+    parser.add_argument("--hogs", type=int, default=2, help="CPU hogs in the loaded condition")
+    parser.add_argument("--rounds", type=int, help="override the preset's rounds")
+    args = parser.parse_args()
+    steps, rounds = PRESETS["quick" if args.quick else "full"]
+    rounds = args.rounds or rounds
+    names = list(VARIANTS)
+    rates: dict[tuple[str, str], list[float]] = {}
+    used: dict[tuple[str, str], int] = {}
+    loads: list[float] = []
+    counter = 0
+    with tempfile.TemporaryDirectory(prefix="threads-bench-") as tmp:
+        workdir = Path(tmp)
+        for round_ in range(rounds):
+            order = names[round_ % len(names) :] + names[: round_ % len(names)]
+            for condition in ("idle", "loaded"):
+                with hogs(args.hogs if condition == "loaded" else 0):
+                    for name in order:
+                        loads.append(os.getloadavg()[0])
+                        rate, threads = one_run(VARIANTS[name], steps, workdir, counter)
+                        counter += 1
+                        rates.setdefault((condition, name), []).append(rate)
+                        used[(condition, name)] = threads
+                        print(
+                            f"round {round_ + 1}/{rounds} {condition:6s} {name:7s} "
+                            f"{rate:6.2f} steps/s ({threads} threads)",
+                            flush=True,
+                        )
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    print()
+    print(
+        f"{cores} usable cores; {steps} steps per run, {rounds} rounds, {args.hogs} hogs when "
+        f"loaded; 1-min load average seen before runs: min {min(loads):.1f}, "
+        f"median {statistics.median(loads):.1f}, max {max(loads):.1f}"
+    )
+    print(f"{'condition':10s} {'variant':8s} {'threads':>7s} {'steps/s':>8s} {'vs best':>8s}")
+    for condition in ("idle", "loaded"):
+        medians = {name: statistics.median(rates[(condition, name)]) for name in names}
+        best = max(medians.values())
+        for name in names:
+            print(
+                f"{condition:10s} {name:8s} {used[(condition, name)]:7d} "
+                f"{medians[name]:8.2f} {medians[name] / best:8.2f}"
+            )
+        print(
+            f"{condition:10s} auto / default {medians['auto'] / medians['default']:.2f}, "
+            f"auto / 1 {medians['auto'] / medians['1']:.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

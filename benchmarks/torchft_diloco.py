@@ -1,0 +1,237 @@
+"""torchft's synchronous DiLoCo on the same model, data, H, optimizers and steps as
+``benchmarks/diloco_quality.py``, so the shipped DumbDiLoCo can be compared with it.
+
+N replica processes each build the run of the user's config (``configs/diloco.yaml`` without
+its ``distributed`` section; the same prepared shards, batch, eval windows and inner AdamW
+as the quality benchmark, through speedtronic's own ``build_runtime``) and train it under
+``torchft.local_sgd.DiLoCo``: a local lighthouse, one torchft ``Manager`` and gloo process group
+per replica, the outer optimizer ``SGD(lr=outer_lr, momentum=outer_momentum, nesterov=True)``
+(the config's values unless overridden) and ``sync_every = H``. Every replica reads its own
+order of the training windows, keyed by its name exactly as a DumbDiLoCo node with that id
+would (``master``, ``worker-1``, ...), or disjoint slices with ``--node-data ranked``.
+
+Replica 0 scores the global (its weights right after each synchronisation, when every replica
+holds the same averaged model) on the first ``--eval-batches`` held-out micro-batches every H
+steps and prints the final held-out loss; ``--json`` writes the curve. Needs
+``pip install torchft==0.2.0 -c constraints-cpu.txt``.
+
+    python benchmarks/torchft_diloco.py --quick
+    python benchmarks/torchft_diloco.py --nodes 3 --inner-steps 25 --steps 600 --json tf.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import diloco_quality as quality  # the same corpus, config and eval windows
+
+QUICK = {"nodes": 3, "inner_steps": 10, "steps": 100, "eval_batches": 8}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, default=3, help="replicas")
+    parser.add_argument("--inner-steps", type=int, default=25, help="H (sync_every)")
+    parser.add_argument("--steps", type=int, default=600, help="inner steps per replica")
+    parser.add_argument("--batch", type=int, default=8, help="micro-batch per replica")
+    parser.add_argument("--eval-batches", type=int, default=32, help="held-out micro-batches")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per replica")
+    parser.add_argument("--outer-lr", type=float, default=None, help="default: the config's")
+    parser.add_argument("--outer-momentum", type=float, default=None, help="default: the config's")
+    parser.add_argument("--node-data", choices=("auto", "ranked"), default="auto")
+    parser.add_argument("--corpus", type=Path, default=quality.DEFAULT_CORPUS)
+    parser.add_argument("--config", type=Path, default=quality.DEMO_CONFIG)
+    parser.add_argument("--workdir", type=Path, default=None, help="keep the shards here")
+    parser.add_argument("--quick", action="store_true", help=f"small preset: {QUICK}")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--timeout", type=float, default=3600)
+    args = parser.parse_args(argv)
+    if args.quick:
+        for key, value in QUICK.items():
+            if getattr(args, key) == parser.get_default(key):
+                setattr(args, key, value)
+    return args
+
+
+def replica(
+    index: int,
+    args: argparse.Namespace,
+    config: dict[str, Any],
+    lighthouse: str,
+    out: Any,
+) -> None:
+    """One torchft replica: speedtronic's model, data and inner optimizer under DiLoCo."""
+    import torch
+    import torch.distributed as dist
+    from torchft.local_sgd import DiLoCo
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    from speedtronic.batch import call_model, loss_of
+    from speedtronic.config import SpeedtronicConfig
+    from speedtronic.data import build_dataloader
+    from speedtronic.runtime import build_runtime
+    from speedtronic_diloco.identity import node_data_seed
+
+    torch.set_num_threads(args.threads)
+    runtime = build_runtime(config, console=False)  # seeds like `speedtronic train`
+    runtime.metrics.close()
+    model, optimizer = runtime.model, runtime.trainer.optimizer
+    evaluator = runtime.trainer.evaluator
+    loaded = SpeedtronicConfig.load(config)
+    name = "master" if index == 0 else f"worker-{index}"
+    limits = {
+        "seq_len": config["model"]["max_seq_len"],
+        "vocab_size": config["model"]["vocab_size"],
+    }
+    if args.node_data == "ranked":
+        data = build_dataloader(loaded, **limits, rank=index, num_ranks=args.nodes)
+    else:
+        data = build_dataloader(
+            loaded, **limits, participant_seed=node_data_seed(loaded.data_seed, name)
+        )
+    batches = data.iterate(0)
+    outer = torch.optim.SGD(
+        model.parameters(), lr=args.outer_lr, momentum=args.outer_momentum, nesterov=True
+    )
+    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    long = timedelta(seconds=600)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=long),
+        min_replica_size=args.nodes,
+        use_async_quorum=False,
+        load_state_dict=lambda state: model.load_state_dict(state["model"]),
+        state_dict=lambda: {"model": model.state_dict()},
+        replica_id=name,
+        store_addr="localhost",
+        store_port=store.port,
+        rank=0,
+        world_size=1,
+        lighthouse_addr=lighthouse,
+        timeout=long,
+        quorum_timeout=long,
+        connect_timeout=long,
+    )
+    curve: dict[int, float] = {}
+    clip = loaded.optimizer.grad_clip
+    started = time.monotonic()
+    try:
+        with DiLoCo(
+            manager,
+            [model],
+            optimizer,
+            outer,
+            sync_every=args.inner_steps,
+            backup_device=torch.device("cpu"),
+            pin_memory=False,
+        ):
+            for step in range(1, args.steps + 1):
+                loss = loss_of(call_model(model, next(batches)))
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                if clip:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                optimizer.step()  # DiLoCo's hook synchronises every sync_every steps
+                if index == 0 and step % args.inner_steps == 0:
+                    curve[step] = evaluator.evaluate(model, step).loss
+                    print(f"replica 0 step {step}: global held-out loss {curve[step]:.3f}")
+    finally:
+        manager.shutdown(wait=False)
+    own = evaluator.evaluate(model, args.steps).loss
+    out.put({"index": index, "curve": curve, "own": own, "wall_s": time.monotonic() - started})
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        from torchft._torchft import LighthouseServer
+    except ImportError as exc:
+        raise SystemExit(
+            f"torchft is not importable ({exc}); pip install torchft==0.2.0 -c constraints-cpu.txt"
+        ) from None
+    root = Path(args.workdir or tempfile.mkdtemp(prefix="torchft_diloco_")).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    shards, vocab = quality.prepare_corpus(args.corpus, root / "shards")
+    # The quality benchmark's config, with the fields it reads set as that script sets them.
+    options = argparse.Namespace(**{**vars(args), "rounds": None, "node_data": "auto"})
+    config = quality.base_config(options, shards, vocab, root)
+    config["run"]["output_dir"] = str(root / "replica")
+    config["checkpoint"] = {"save_final": False}
+    # The replicas run plain speedtronic (no DumbDiLoCo): torchft synchronises them.
+    section = config.pop("distributed")
+    if args.outer_lr is None:
+        args.outer_lr = section.get("outer_lr", 0.7)
+    if args.outer_momentum is None:
+        args.outer_momentum = section.get("outer_momentum", 0.9)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=args.nodes)
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    load_before = quality.load_average()
+    started = time.monotonic()
+    processes = [
+        context.Process(
+            target=replica,
+            args=(i, args, config, lighthouse.address(), results),
+        )
+        for i in range(args.nodes)
+    ]
+    for process in processes:
+        process.start()
+    collected = []
+    deadline = time.monotonic() + args.timeout
+    try:
+        while len(collected) < args.nodes and time.monotonic() < deadline:
+            try:
+                collected.append(results.get(timeout=5))
+            except Exception:  # queue.Empty: check that the replicas still run
+                if all(not p.is_alive() for p in processes) and results.empty():
+                    break
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+        lighthouse.shutdown()
+    if len(collected) < args.nodes:
+        raise SystemExit(f"only {len(collected)} of {args.nodes} torchft replicas finished")
+    wall = time.monotonic() - started
+    first = next(r for r in collected if r["index"] == 0)
+    curve = {int(k): v for k, v in first["curve"].items()}
+    final = curve[max(curve)]
+    print(
+        f"\ntorchft DiLoCo {args.nodes} replicas, H {args.inner_steps}, {args.steps} steps x "
+        f"batch {args.batch}, outer lr {args.outer_lr}, Nesterov momentum {args.outer_momentum}"
+    )
+    print(" ".join(f"{s}:{v:.3f}" for s, v in sorted(curve.items())))
+    print(f"final global held-out loss {final:.3f}; wall {wall:.0f} s; load {load_before}")
+    if args.json is not None:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "settings": {
+                        k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+                    },
+                    "curve": curve,
+                    "final_global": final,
+                    "replicas_own": {r["index"]: r["own"] for r in collected},
+                    "wall_s": wall,
+                    "load_average": {"before": load_before, "end": quality.load_average()},
+                },
+                indent=2,
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,442 @@
+"""The master's outer loop: the thread, a tick, the final round and halting. It calls the
+rooms in the order a delta travels: :mod:`~speedtronic_diloco.master.intake` (list, fetch,
+check), :mod:`~speedtronic_diloco.master.round` (the pure outer step), the state file
+(:mod:`~speedtronic_diloco.master.state`, with :mod:`~speedtronic_diloco.master.history`),
+:mod:`~speedtronic_diloco.master.publish` (fenced), :mod:`~speedtronic_diloco.master.report`.
+
+State is persisted *before* the new weights are published: a master that crashes in between
+finds a local outer step ahead of the store's on restart and republishes instead of
+aggregating the same deltas again. A bad candidate global *halts* the loop (nothing more is
+published, loudly, and the halt survives restarts) with the previous good global and momentum
+kept. The processed-delta ledger and the store housekeeping live in
+:mod:`speedtronic_diloco.ledger`, the lease that fences every publication in
+:mod:`speedtronic_diloco.lease`. A lost lease, or any error escaping a round, ends the outer
+thread with :attr:`MasterOuterLoop.failure` set, which stops the run loudly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from speedtronic.errors import SpeedtronicError
+from speedtronic_diloco.aggregation import AggregationRules, RoundDecision, RoundPolicy
+from speedtronic_diloco.fragments import FragmentLayout
+from speedtronic_diloco.ledger import Housekeeper, Verdict
+from speedtronic_diloco.master.intake import Fetched, Intake, Intaken
+from speedtronic_diloco.master.keeper import OuterStateKeeper
+from speedtronic_diloco.master.publish import Publication, Publisher
+from speedtronic_diloco.master.report import Emit, Reporter
+from speedtronic_diloco.master.round import OuterPolicy, RoundResult, guarded, run_round
+from speedtronic_diloco.retry import RetryPolicy
+from speedtronic_diloco.tensors import TensorDict
+from speedtronic_diloco.transports.base import DeltaInfo, GlobalMetadata, LeaseError, Transport
+
+__all__ = ["MasterOuterLoop", "OuterLoopStopped"]
+
+log = logging.getLogger("speedtronic.diloco.outer")
+
+
+class OuterLoopStopped(SpeedtronicError):
+    """The master's outer thread died (a lost lease, an unexpected error): the run stops."""
+
+
+class MasterOuterLoop(OuterStateKeeper):
+    """The master's outer optimizer over the store's deltas, with persisted state.
+
+    Constructing it loads ``<state_dir>/outer_state.safetensors`` when present (the state
+    itself is kept by :class:`~speedtronic_diloco.master.keeper.OuterStateKeeper`). Public reads
+    (:meth:`snapshot`) take a lock and return immutable references: each round builds new
+    tensors rather than changing published ones in place.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        node_id: str,
+        state_dir: str | Path,
+        cache_dir: str | Path,
+        outer_lr: float,
+        outer_momentum: float,
+        retry: RetryPolicy | None = None,
+        emit: Emit | None = None,
+        rules: AggregationRules | None = None,
+        evaluate: Callable[[TensorDict], float] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        keep_outer_steps: int = 4,
+        squash_history_every: int = 0,
+        cache_keep: int = 2,
+        fragments: FragmentLayout | None = None,
+        global_compression: str = "none",
+        lease: Any = None,
+    ) -> None:
+        self.transport = transport
+        self.cache_dir = Path(cache_dir)
+        self.outer_lr = outer_lr
+        self.outer_momentum = outer_momentum
+        self.rules = rules or AggregationRules()
+        super().__init__(node_id, state_dir, self.rules.keep_history, fragments)
+        self.policy = RoundPolicy(self.rules.min_deltas, self.rules.round_timeout, clock=clock)
+        #: ``evaluate(global weights) -> held-out loss``; called before each publication.
+        self.evaluate = evaluate
+        #: The master's lease (:class:`~speedtronic_diloco.lease.LeaseKeeper`), or None.
+        self.lease: Any = lease
+        #: What ended the outer thread (a lost lease, an unexpected error), or None.
+        self.failure: BaseException | None = None
+        self.last_published: GlobalMetadata | None = None
+        # Rounds and publications never overlap (the thread and a direct caller share files).
+        self._round_lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._extra: dict[str, Any] = {}  # the last round's entry of the published `extra`
+        self._final_nodes: set[str] = set()
+        self._bytes_in = 0  # delta bytes downloaded since the last reported round
+        retry = retry or RetryPolicy()
+        self.intake = Intake(
+            transport, cache_dir=self.cache_dir, rules=self.rules, retry=retry, stop=self._stopper
+        )
+        self.publisher = Publisher(
+            transport,
+            node_id=node_id,
+            cache_dir=self.cache_dir,
+            retry=retry,
+            stop=self._stopper,
+            lease=lambda: self.lease,
+            signing_key=self.rules.signing_key,
+            compression=global_compression,
+        )
+        self.reporter = Reporter(emit, self.state_dir)
+        self.housekeeper = Housekeeper(
+            transport,
+            keep_outer_steps=keep_outer_steps,
+            squash_history_every=squash_history_every,
+            cache_dir=self.cache_dir / "deltas",
+            cache_keep=cache_keep,
+            retry=retry,
+        )
+
+    def _stopper(self) -> threading.Event:
+        return self._stop
+
+    # ----------------------------------------------------------------- settings
+    @property
+    def retry(self) -> RetryPolicy:
+        return self.intake.retry
+
+    @retry.setter
+    def retry(self, value: RetryPolicy) -> None:
+        self.intake.retry = self.publisher.retry = value
+
+    @property
+    def global_compression(self) -> str:
+        """The codec of published globals (``distributed.global_compression``)."""
+        return self.publisher.compression
+
+    @global_compression.setter
+    def global_compression(self, value: str) -> None:
+        self.publisher.compression = value
+
+    # ----------------------------------------------------------------- publication
+    def publish(self, deltas_included: int = 0) -> GlobalMetadata | None:
+        """Publish the current global weights and metadata (signed with a key); None (with a
+        warning) on failure, and always None while the loop is halted."""
+        with self._lock:
+            state = self.state
+            if state.global_state is None:
+                return None
+            if state.halted:
+                self.reporter.still_halted(state.halted)
+                return None
+            step = state.outer_step
+            extra = dict(self._extra) if self._extra.get("outer_step") == step else {}
+            item = Publication.of(
+                state, self.node_id, extra, deltas_included, self.transport.supports_fragment_files
+            )
+        with self._round_lock:
+            published = self.publisher.publish(item)
+        if published is None:
+            return None
+        with self._lock:
+            self.state.published_step = max(self.state.published_step, step)
+            self.last_published = published
+            if published.fragment_files:  # published one file per fragment
+                self.state.fragments.files = list(published.fragment_files)
+        with contextlib.suppress(OSError):
+            self.save()
+        log.info("published outer step %d to %s", step, self.transport.description)
+        return published
+
+    def publish_if_behind(self) -> bool:
+        """Publish when the store has not seen the current outer step yet."""
+        with self._round_lock:
+            with self._lock:
+                state = self.state
+                behind = state.global_state is not None and state.published_step < state.outer_step
+            return behind and self.publish() is not None
+
+    # ----------------------------------------------------------------- rounds
+    def run_round(self, abort: threading.Event | None = None) -> RoundResult | None:
+        """Aggregate every new delta into one outer step now, whatever the round policy says;
+        None when there was nothing new (or ``abort`` was set before the deltas were all
+        fetched)."""
+        with self._round_lock:
+            return self._round(abort)
+
+    def tick(self, abort: threading.Event | None = None) -> RoundResult | None:
+        """One turn of the outer thread: list the store, fetch and check the new deltas (kept
+        on disk until their round), ask the round policy, and run a round when it says so:
+        ``min_deltas`` distinct nodes pending with the same, newest base outer step (the
+        quorum), or ``round_timeout`` since the first pending delta."""
+        with self._round_lock:
+            if self.halted:
+                self.reporter.still_halted(self.halted)
+                return None
+            listing = self.intake.list_deltas()
+            if listing is None:
+                return None
+            new = self._prefetch(listing, abort)
+            quorum = self.intake.quorum(new, self.outer_step, self.policy.failing())
+            decision = self.policy.decide((i.node_id for i in new), quorum)
+            if not decision.go:
+                return None
+            result = self._round(abort, listing, decision, waiting=True)
+            if result is not None:
+                self.policy.round_done()
+            return result
+
+    def _new_deltas(self, listing: list[DeltaInfo]) -> list[DeltaInfo]:
+        with self._lock:
+            return self.state.processed.candidates(listing)
+
+    def _fetch(self, info: DeltaInfo, reference: TensorDict) -> Intaken | None:
+        with self._lock:
+            book, signatures = self.state.fragments, tuple(self.state.signatures)
+        outcome = self.intake.fetch(
+            info, reference, book, processed=self._seen, signatures=signatures
+        )
+        if outcome is not None:
+            self._bytes_in += outcome.size
+        return outcome
+
+    def _seen(self, info: DeltaInfo, content: str) -> bool:
+        """The same bytes as a processed delta (touched, copied back)."""
+        with self._lock:
+            ledger = self.state.processed
+            return ledger.verdict(info) is Verdict.CHECK and ledger.same_content(info, content)
+
+    def _prefetch(
+        self, listing: list[DeltaInfo], abort: threading.Event | None = None
+    ) -> list[DeltaInfo]:
+        """Fetch and check every new delta of ``listing`` ahead of its round; returns the new
+        deltas."""
+        new = self._new_deltas(listing)
+        for info in new:
+            self.policy.saw(info.node_id)
+        reference = self.global_state
+        if reference is not None:
+            self.intake.prefetch(new, lambda info: self._fetch(info, reference), abort)
+        return new
+
+    def _round(
+        self,
+        abort: threading.Event | None,
+        listing: list[DeltaInfo] | None = None,
+        decision: RoundDecision | None = None,
+        reason: str = "forced",
+        waiting: bool = False,
+    ) -> RoundResult | None:
+        """One round over ``listing``'s new deltas (taking those fetched ahead when
+        ``waiting``): intake, the pure round, then keep, record, save, report, publish."""
+        with self._lock:
+            state = self.state
+            if state.global_state is None or state.halted:
+                return None
+        listing = listing if listing is not None else self.intake.list_deltas()
+        new = self._new_deltas(listing) if listing is not None else []
+        if not new:
+            return None
+        outcomes: list[Intaken] = []
+        try:
+            for info in new:
+                if abort is not None and abort.is_set():
+                    return None
+                outcome = self.intake.take(info) if waiting else None
+                outcome = outcome or self._fetch(info, state.global_state)
+                if outcome is not None:
+                    outcomes.append(outcome)
+            result = run_round(
+                state,
+                outcomes,
+                OuterPolicy(self.outer_lr, self.outer_momentum, self.rules, guarded(self.evaluate)),
+                reason=decision.reason if decision is not None else reason,
+                waited_s=decision.waited_s if decision is not None else 0.0,
+                found=len(new),
+            )
+        finally:
+            for outcome in outcomes:
+                if isinstance(outcome, Fetched):
+                    with contextlib.suppress(FileNotFoundError):
+                        outcome.delta.path.unlink()
+        return self._keep(result, outcomes, listing or [])
+
+    def _keep(
+        self, result: RoundResult, outcomes: list[Intaken], listing: list[DeltaInfo]
+    ) -> RoundResult | None:
+        """Adopt the round's state, note its deltas in the ledger, tell, save, publish."""
+        after = result.state
+        assert after is not None
+        step = after.outer_step
+        with self._lock:
+            if step > self.state.outer_step:
+                after.fragments.after_round(result.groups, step)
+            self.state = after
+            result.record(after.processed, {o.info.key: o.content for o in outcomes})
+            included = [d for c in result.contributions for d in c.deltas]
+            self._final_nodes.update(d.node_id for d in included if d.final)
+        for contribution in result.contributions:
+            self.reporter.accepted(contribution.node_id)
+        for info, why in result.refusals:
+            record = self.reporter.rejected(info, why, step)
+            with self._lock:
+                self.state.rejections = [*self.state.rejections, record]
+                self.state.trimmed()
+            self.policy.rejected(info.node_id)
+        for contribution in result.contributions:
+            self.policy.accepted(contribution.node_id)
+        if not result.accepted and not result.refusals:
+            return None
+        if result.problem is not None:
+            self.reporter.halted(after.halted or "", step)
+        if result.accepted:
+            self._extra = result.published_extra()
+        with contextlib.suppress(OSError):
+            self.save()  # before publishing: see the module docstring
+        if result.accepted:
+            fields = {
+                "bytes_received": self._bytes_in,
+                **after.fragments.event_fields(result.groups),
+            }
+            self._bytes_in = 0
+            self.reporter.round(result, fields)
+            self.publish(len(result.accepted))
+        self._tidy_store(listing)
+        return result
+
+    def _tidy_store(self, listing: list[DeltaInfo]) -> None:
+        """Delete the processed deltas the store no longer needs (fenced), squash when due."""
+        fence = self.lease.check() if self.lease is not None else None
+        if self.lease is not None and self.lease.supported and fence is None:
+            return  # not holding the lease (yet): delete nothing
+        with self._lock:
+            ledger, step = self.state.processed, self.state.outer_step
+        self.housekeeper.after_round(ledger, listing, step, fence=fence, stop=self._stop)
+
+    # ----------------------------------------------------------------- halting, the end
+    def check_current(self) -> None:
+        """Halt (loudly) when the current global itself is not finite (a store or state file
+        written by something else)."""
+        reason = self.halt_if_not_finite()
+        if reason is not None:
+            self.reporter.halted(reason, self.outer_step)
+
+    def finish(self, timeout: float) -> GlobalMetadata | None:
+        """End of training (the thread is stopped): wait at most ``timeout`` seconds for the
+        final deltas of the nodes seen recently, aggregate everything pending, publish, and
+        name the final global. Returns its published metadata (None if none)."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        # Deltas are fetched and checked as they come (their metadata says which is a node's
+        # final one), then aggregated in one round: one outer step, not one per straggler.
+        with self._round_lock:
+            try:
+                listing = None
+                while not self.halted:
+                    seen = self.intake.list_deltas()
+                    listing = seen if seen is not None else listing
+                    if seen is not None:
+                        self._prefetch(seen)
+                    finals = set(self._final_nodes)
+                    for outcome in self.intake.waiting():
+                        if isinstance(outcome, Fetched) and outcome.delta.final:
+                            finals.add(outcome.delta.node_id)
+                    expected = self.policy.recent_nodes() - {self.node_id} - finals
+                    if not expected or time.monotonic() >= deadline:
+                        break
+                    time.sleep(0.2)
+                if listing is not None and not self.halted:
+                    self._round(None, listing, reason="final", waiting=True)
+                    self.policy.round_done()
+            finally:
+                self.intake.drop_all()
+            if self.halted:
+                self.reporter.still_halted(self.halted)
+            else:
+                self.publish_if_behind()
+        with self._lock:
+            step, published = self.state.outer_step, self.last_published
+        final = published if published is not None and published.outer_step == step else None
+        if final is not None:
+            where = f"{self.transport.description.rstrip('/')}/{final.model_file}"
+        else:
+            where = f"not published; local state {self.state_path}"
+        self.reporter.final(step, where)
+        return final
+
+    # ----------------------------------------------------------------- thread
+    def start(self, interval: float) -> None:
+        """Run publish-if-behind and :meth:`tick` every ``interval`` seconds in a daemon
+        thread."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._loop, args=(interval,), name="diloco-outer", daemon=True
+        )
+        self._thread.start()
+
+    def _loop(self, interval: float) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    self.publish_if_behind()
+                    self.tick(abort=self._stop)
+                except LeaseError:  # another master took over: this one must stop
+                    raise
+                except Exception:  # the outer thread must outlive one bad round
+                    log.exception("outer round failed")
+                self._stop.wait(max(interval, 0.05))
+        except BaseException as exc:  # never end silently: the coordinator stops the run
+            self.failure = exc
+            log.critical(
+                "!!! DumbDiLoCo master: the outer loop stopped (%s: %s); nothing more is "
+                "aggregated or published, and the run stops",
+                type(exc).__name__,
+                exc,
+            )
+
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Ask the thread to stop after its current round; True when it ended in time."""
+        self._stop.set()
+        if self._thread is None:
+            return True
+        self._thread.join(max(0.0, timeout))
+        return not self._thread.is_alive()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def raise_if_failed(self) -> None:
+        """Raise :class:`OuterLoopStopped` once the outer thread has died (the coordinator
+        calls this at every step, so a dead master loop stops the run loudly)."""
+        failure = self.failure
+        if failure is not None:
+            raise OuterLoopStopped(
+                f"DumbDiLoCo master {self.node_id!r}: the outer loop stopped "
+                f"({type(failure).__name__}: {failure}); stopping the run"
+            ) from failure

@@ -1,0 +1,156 @@
+"""What the master tells people: log lines and metric events for rounds (``outer_step``,
+``outer_eval``), rejected deltas (``delta_rejected``, loud after a node's repeated
+rejections), a halt (``outer_halted``, with a reminder while it lasts) and the final global
+(``final_global``)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from speedtronic_diloco.master.history import history_steps
+from speedtronic_diloco.master.intake import Rejection
+from speedtronic_diloco.master.round import RoundResult
+from speedtronic_diloco.transports.base import DeltaInfo
+
+__all__ = ["Emit", "Reporter"]
+
+log = logging.getLogger("speedtronic.diloco.outer")
+
+Emit = Callable[[str, dict[str, Any]], None]
+LOUD_AFTER = 3  # consecutive rejections of one node before it is logged as a problem
+HALT_REMINDER_S = 60.0
+
+
+class Reporter:
+    """Log lines and events of one master; remembers each node's rejection streak."""
+
+    def __init__(self, emit: Emit | None, state_dir: Path) -> None:
+        self.emit: Emit = emit or (lambda event, payload: None)
+        self.state_dir = state_dir
+        self._streaks: dict[str, int] = {}
+        self._reminded = -math.inf
+
+    def accepted(self, node_id: str) -> None:
+        self._streaks[node_id] = 0
+
+    def rejected(self, info: DeltaInfo, why: Rejection, outer_step: int) -> dict[str, Any]:
+        """Log and emit one rejection; returns its record for the state's ``rejections``."""
+        norm = why.norm if why.norm is None or math.isfinite(why.norm) else None
+        log.error("rejected delta %s (%s): %s", info.path, why.reason, why)
+        streak = self._streaks.get(info.node_id, 0) + 1
+        self._streaks[info.node_id] = streak
+        if streak >= LOUD_AFTER and (streak == LOUD_AFTER or streak % 10 == 0):
+            log.error(
+                "!!! node %r: its last %d deltas were all rejected (latest: %s). It is not "
+                "contributing; check that node (a bug, a wrong key, diverged weights, or a "
+                "hostile writer).",
+                info.node_id,
+                streak,
+                why.reason,
+            )
+        self.emit(
+            "delta_rejected",
+            {
+                "node": info.node_id,
+                "delta_step": info.local_step,
+                "reason": why.reason,
+                "norm": norm,
+                "consecutive": streak,
+                "message": why.message[:200],
+            },
+        )
+        return {
+            "node": info.node_id,
+            "step": info.local_step,
+            "reason": why.reason,
+            "message": why.message[:200],
+            "norm": norm,
+            "outer_step": outer_step,
+            "at": time.time(),
+        }
+
+    def round(self, result: RoundResult, fields: dict[str, Any]) -> None:
+        """The ``outer step N: ...`` line and the ``outer_step`` / ``outer_eval`` events;
+        ``fields`` adds to the event (bytes received, fragments)."""
+        contributions = result.contributions
+        parts = [
+            f"{n}@{s} base {b if b is not None else '?'}"
+            for (n, s), b in zip(result.included, result.base_outer_steps)
+        ]
+        clipped = [c.node_id for c in contributions if c.scale < 1.0 or min(c.delta_scales) < 1.0]
+        log.info(
+            "outer step %d: %d node%s (%s), waited %.1f s (%s)%s%s",
+            result.outer_step,
+            len(result.nodes),
+            "" if len(result.nodes) == 1 else "s",
+            ", ".join(parts),
+            result.waited_s,
+            result.reason,
+            f", {len(result.rejected)} rejected" if result.rejected else "",
+            f", clipped {','.join(clipped)}" if clipped else "",
+        )
+        self.emit(
+            "outer_step",
+            {
+                "outer_step": result.outer_step,
+                "deltas_found": result.deltas_found,
+                "deltas_included": result.deltas_included,
+                "deltas_rejected": len(result.rejected),
+                "included": ",".join(f"{n}@{s}" for n, s in result.included),
+                "nodes": ",".join(result.nodes),
+                "nodes_included": len(result.nodes),
+                "base_outer_steps": ",".join(
+                    "?" if b is None else str(b) for b in result.base_outer_steps
+                ),
+                "staleness": ",".join(str(s) for s in result.staleness),
+                "waited_s": round(result.waited_s, 3),
+                "reason": result.reason,
+                "norms": ",".join(f"{c.norm:.4g}" for c in contributions),
+                "norm_threshold": result.threshold,
+                "clipped": ",".join(clipped),
+                **fields,
+            },
+        )
+        if result.eval_loss is not None:
+            loss = result.eval_loss
+            self.emit(
+                "outer_eval",
+                {
+                    "outer_step": result.outer_step,
+                    "loss": loss,
+                    "ppl": math.exp(loss) if loss < 700 else math.inf,
+                },
+            )
+
+    def halted(self, reason: str, outer_step: int) -> None:
+        log.critical(
+            "!!! DumbDiLoCo master HALTED: %s. Nothing more is published; the global stays at "
+            "outer step %d (the last good one, with its momentum). Inspect the rejected "
+            "deltas, then roll back with `speedtronic diloco rollback --state-dir %s --to N` "
+            "(N: %s) and restart the master.",
+            reason,
+            outer_step,
+            self.state_dir,
+            ", ".join(str(s) for s in history_steps(self.state_dir)) or outer_step,
+        )
+        self._reminded = time.monotonic()
+        self.emit("outer_halted", {"outer_step": outer_step, "reason": reason})
+
+    def still_halted(self, reason: str | None) -> None:
+        now = time.monotonic()
+        if now - self._reminded >= HALT_REMINDER_S:
+            self._reminded = now
+            log.error(
+                "DumbDiLoCo master is HALTED (%s): not aggregating or publishing; see "
+                "`speedtronic diloco rollback --help`",
+                reason,
+            )
+
+    def final(self, outer_step: int, where: str) -> None:
+        log.info("final global: outer step %d, path %s", outer_step, where)
+        self.emit("final_global", {"outer_step": outer_step, "path": where})

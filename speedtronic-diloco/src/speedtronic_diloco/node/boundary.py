@@ -1,0 +1,132 @@
+"""A node's inner-loop boundary: when it syncs (the fragment book's schedule) and what it
+sends, the pseudo-gradient (baseline minus current weights) of the fragments due, as an
+:class:`UploadJob` for the upload lane. With ``install_at: boundary`` and
+``keep_own_progress`` the node also remembers its own deltas until a global shows them
+aggregated (:class:`OwnProgress`), so installing an older global does not undo them."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+
+from torch import nn
+
+from speedtronic_diloco.node.context import NodeContext
+from speedtronic_diloco.tensors import (
+    StateMismatchError,
+    TensorDict,
+    combine,
+    compute_pseudo_gradient,
+    cpu_state_dict,
+)
+
+__all__ = ["UNMERGED_KEEP", "OwnProgress", "UploadJob", "cut"]
+
+log = logging.getLogger("speedtronic.diloco")
+
+UNMERGED_KEEP = 4  # own deltas remembered until a global shows them aggregated
+
+
+@dataclass(frozen=True)
+class UploadJob:
+    """One delta on its way to the store."""
+
+    local_step: int
+    generation: int  # of the baseline it was measured from
+    target: TensorDict  # the weights it was measured to (the next baseline once it lands)
+    delta: TensorDict
+    base_outer_step: int
+    upload_id: str = ""
+    final: bool = False
+    fragments: tuple[int, ...] = ()  # the fragments it covers
+    fragment_generations: tuple[int, ...] = ()
+
+
+def cut(
+    ctx: NodeContext, model: nn.Module, step: int, due: tuple[int, ...], final: bool
+) -> UploadJob | None:
+    """The delta of the fragments ``due`` at ``step`` (the final step: all of them), recorded
+    as the outstanding upload; None (the baseline restarts here) when the model's keys or
+    shapes no longer match the baseline."""
+    current = cpu_state_dict(model.state_dict())
+    with ctx.lock:
+        baseline, generation = ctx.state.baseline, ctx.state.generation
+        base_outer = ctx.state.last_global_step
+    try:
+        delta = compute_pseudo_gradient(baseline, current)
+    except StateMismatchError as exc:
+        log.error("step %d: no delta uploaded: %s; measuring from here on", step, exc)
+        with ctx.lock:
+            ctx.state.baseline = current
+            ctx.state.generation += 1
+        return None
+    book = ctx.book
+    fragments = book.everything() if final else due
+    job = UploadJob(
+        step,
+        generation,
+        current,
+        book.select(delta, fragments),
+        base_outer,
+        uuid.uuid4().hex,
+        final,
+        fragments,
+        tuple(book.generations),
+    )
+    with ctx.lock:
+        ctx.state.pending = {
+            "local_step": step,
+            "upload_id": job.upload_id,
+            "base_outer_step": base_outer,
+            "generation": generation,
+            **book.pending_fields(fragments),
+        }
+    return job
+
+
+class OwnProgress:
+    """This node's deltas not yet seen in a global (``install_at: boundary`` with
+    ``keep_own_progress``, whole-model installs): see :meth:`apply`."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._unmerged: dict[int, TensorDict] = {}
+        self._eager: set[int] = set()  # of those, the ones the installed model already keeps
+
+    def remember(self, job: UploadJob) -> None:
+        """Keep ``job``'s delta until a global shows it aggregated (caller holds the lock)."""
+        if not self.enabled or job.final:
+            return
+        self._unmerged[job.local_step] = job.delta
+        for old in sorted(self._unmerged)[:-UNMERGED_KEEP]:
+            del self._unmerged[old]
+
+    def steps(self) -> list[int]:
+        return list(self._unmerged)
+
+    def apply(self, tensors: TensorDict, aggregated: set[int]) -> TensorDict:
+        """The global ``tensors`` minus this node's own deltas that it does not contain yet
+        (uploaded, or in flight, but not in ``aggregated``), so a node keeps its own last
+        inner loop instead of learning it again from an older state (which would apply that
+        progress twice). The baseline becomes the result: those deltas are not resent.
+        Caller holds the lock."""
+        if not self._unmerged:
+            return tensors
+        for step in [s for s in self._unmerged if s in aggregated]:
+            del self._unmerged[step]
+        own = [self._unmerged[s] for s in sorted(self._unmerged)]
+        self._eager = set(self._unmerged)
+        if not own:
+            return tensors
+        return combine(tensors, *own, sign=-1)
+
+    def unmerge_failed(self, job: UploadJob, baseline: TensorDict) -> TensorDict:
+        """A failed upload whose delta the model already keeps: the baseline moved back by it,
+        so the next boundary sends that progress again (cumulative), as after any failed
+        upload (caller holds the lock)."""
+        delta = self._unmerged.pop(job.local_step, None)
+        if delta is None or job.local_step not in self._eager:
+            return baseline
+        self._eager.discard(job.local_step)
+        return combine(baseline, delta, sign=1)

@@ -1,0 +1,121 @@
+"""Exact resume of a pending upload. Each dispatched upload carries a random ``upload_id``;
+while its effect on the baseline is outstanding, checkpoints record it (``pending_delta``). A
+resumed node asks the store whether that delta arrived: if it did, the baseline advances to
+its target (the checkpointed weights at that step, or baseline minus the stored delta); if
+not, it asks once more at the next boundary, right before sending (an upload whose request
+left just before the crash may land late), and if it is still not there the baseline stays
+and that boundary sends the progress again, cumulatively."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import tempfile
+from pathlib import Path
+
+from torch import nn
+
+from speedtronic_diloco.codecs import CodecError, decode_delta
+from speedtronic_diloco.node.context import NodeContext
+from speedtronic_diloco.tensors import (
+    TensorDict,
+    TensorFileError,
+    combine,
+    cpu_state_dict,
+    load_tensors,
+)
+
+__all__ = ["PendingUpload"]
+
+log = logging.getLogger("speedtronic.diloco")
+
+
+class PendingUpload:
+    """Resolves the outstanding upload a checkpoint recorded (see the module docstring)."""
+
+    def __init__(self, ctx: NodeContext) -> None:
+        self.ctx = ctx
+        self.unresolved = False  # a resume could not ask the store yet
+        self._asks = 0  # how often the store said "not there"
+
+    def resolve(self, model: nn.Module) -> None:
+        """Did the upload the checkpoint recorded as outstanding arrive? Yes: move the
+        baseline to its target. No: ask once more at the next boundary (a late commit may
+        still land), then keep the baseline (the next delta includes that progress). Unknown
+        (store unreachable): ask again at the next boundary."""
+        ctx = self.ctx
+        with ctx.lock:
+            ref = ctx.state.pending
+        if ref is None:
+            self.unresolved = False
+            self._asks = 0
+            return
+        step, upload_id = int(ref["local_step"]), str(ref["upload_id"])
+        read, listing = ctx.retry.attempt(
+            f"checking whether the delta of step {step} arrived",
+            ctx.transport.list_deltas,
+            ctx.stop,
+            then="asking again at the next boundary",
+        )
+        if not read or listing is None:
+            self.unresolved = True
+            return
+        info = next((i for i in listing if i.key == (ctx.node_id, step)), None)
+        stored: TensorDict | None = None
+        if info is not None:
+            with tempfile.TemporaryDirectory(dir=ctx.state_root) as tmp:
+                dest = Path(tmp) / "pending.safetensors"
+                done, _ = ctx.retry.attempt(
+                    f"downloading {info.path}",
+                    lambda: ctx.transport.download_delta(info, dest),
+                    ctx.stop,
+                    then="asking again at the next boundary",
+                )
+                if not done:
+                    self.unresolved = True
+                    return
+                try:
+                    tensors, metadata = load_tensors(dest)
+                except TensorFileError:
+                    tensors, metadata = {}, {}
+                if metadata.get("upload_id") == upload_id:
+                    with contextlib.suppress(CodecError):  # undecodable: as if it never came
+                        stored = decode_delta(tensors, metadata)
+        if stored is None and self._asks == 0:
+            # Not there at resume. An upload whose request left just before the crash may
+            # still land (a Hub commit the server is finishing), so the next boundary asks
+            # once more, right before it sends anything, an inner loop later.
+            self._asks = 1
+            self.unresolved = True
+            log.info(
+                "the delta of step %d (in flight at the checkpoint) is not in the store; "
+                "asking once more at the next boundary before sending that progress again",
+                step,
+            )
+            return
+        self.unresolved = False
+        self._asks = 0
+        with ctx.lock:
+            state = ctx.state
+            state.pending = None
+            if stored is None:
+                log.info(
+                    "the delta of step %d (in flight at the checkpoint) did not arrive; the next "
+                    "boundary sends that progress again (cumulative)",
+                    step,
+                )
+                return
+            # Compressed (the residual is kept: baseline minus what was received is exact) or
+            # one fragment (the weights would move the others' baselines): subtract.
+            exact = not ctx.codec.compressed and ctx.book.exact_target()
+            if state.local_step == step and exact:  # the checkpointed weights are its target
+                state.baseline = cpu_state_dict(model.state_dict())
+            else:
+                state.baseline = combine(state.baseline, stored, sign=-1)
+            state.generation += 1
+            state.last_uploaded_step = step
+        log.info(
+            "the delta of step %d (in flight at the checkpoint) arrived; measuring from its "
+            "target, so it is not sent twice",
+            step,
+        )
