@@ -234,6 +234,16 @@ def test_reset_inner_optimizer_switch(tmp_path: Path) -> None:
     assert runtime.trainer.optimizer.state  # never cleared
 
 
+def test_a_node_with_fsdp_is_refused_before_its_first_step(tmp_path: Path) -> None:
+    config = config_dict(tmp_path, role="worker", node_id="w")
+    config["parallel"] = {"strategy": "fsdp"}
+    runtime = build_runtime(config, console=False)
+    with pytest.raises(ConfigError, match=r"^parallel\.strategy: is fsdp, which a DiLoCo node"):
+        runtime.trainer.fit()
+    assert runtime.trainer.step == 0
+    assert not list(runtime.trainer.checkpoints.directory.glob("step_*"))
+
+
 def test_resume_hands_checkpoint_state_over_before_start(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recorder: RunRecorder
 ) -> None:

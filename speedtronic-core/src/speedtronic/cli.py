@@ -148,11 +148,15 @@ def cmd_validate(args: argparse.Namespace) -> int:
     data against it) and print the resolved config with secrets redacted."""
     config = load_config(args)
     if not args.config_only:
+        from speedtronic.parallel import launched_world_size
         from speedtronic.runtime import check_runtime
         from speedtronic.threads import apply_threads
 
         apply_threads(config.run.threads)
-        log.info("checked: %s", check_runtime(config))
+        world = args.nproc_per_node or launched_world_size()
+        if world < 1:
+            raise SpeedtronicError(f"--nproc-per-node must be >= 1, got {world}")
+        log.info("checked: %s", check_runtime(config, world))
     if args.format == "json":
         print(config.to_json(redact=True))
     else:
@@ -255,6 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--config-only",
         action="store_true",
         help="check the config file alone, without building the model (meta device) and data",
+    )
+    validate.add_argument(
+        "--nproc-per-node",
+        type=int,
+        metavar="N",
+        help="the ranks to estimate per-rank memory for (ddp vs fsdp); default WORLD_SIZE or 1",
     )
     add_set_option(validate)
     validate.set_defaults(handler=cmd_validate)

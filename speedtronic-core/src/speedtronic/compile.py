@@ -26,10 +26,25 @@ T = TypeVar("T")
 class CompiledModel:
     """The eager model and, while compiling works, its ``torch.compile``'d twin."""
 
-    def __init__(self, model: nn.Module, options: CompileConfig) -> None:
+    def __init__(
+        self, model: nn.Module, options: CompileConfig, units: list[nn.Module] | None = None
+    ) -> None:
         self.eager = model
         self.compiled: Any = None
+        # Given units (FSDP's), each is compiled in place instead of the whole model: the
+        # sharding hooks between them stay eager and the state dict keys do not change.
+        self.units = units or []
         if not options.enabled:
+            return
+        if self.units:
+            for unit in self.units:
+                unit.compile(
+                    backend=options.backend,
+                    mode=None if options.mode == "default" else options.mode,
+                    fullgraph=options.fullgraph,
+                    dynamic=options.dynamic,
+                )
+            self.compiled = model
             return
         try:
             self.compiled = torch.compile(
@@ -61,6 +76,8 @@ class CompiledModel:
             failure = f"{type(exc).__name__}: {lines[0] if lines else ''}"
         # Outside the except block, so an eager failure is reported as itself.
         reset()
+        for unit in self.units:
+            unit._compiled_call_impl = None  # nn.Module.compile undone: eager from now on
         result = step(self.eager)
         log.warning("torch.compile failed (%s); continuing eagerly", failure)
         self.compiled = None

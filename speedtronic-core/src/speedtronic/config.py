@@ -45,6 +45,7 @@ __all__ = [
     "CompileConfig",
     "DataConfig",
     "EvalConfig",
+    "FSDPConfig",
     "LoggingConfig",
     "ModelConfig",
     "MuonConfig",
@@ -405,7 +406,8 @@ class CheckpointConfig(Section):
         False,
         help="Copy the state to CPU memory at the save step and write it in a background "
         "thread while training goes on (one write in flight; a failure is raised at the next "
-        "step). The run's end and a stop signal wait for it.",
+        "step). The run's end and a stop signal wait for it. Not with `parallel.strategy: fsdp` "
+        "(sharded saves are collective).",
     )
     save_final: bool = option(True, help="Save at the end of a successful fit.")
     save_retry_pause: float = option(
@@ -423,12 +425,56 @@ class CheckpointConfig(Section):
 
 
 @dataclass
-class ParallelConfig(Section):
-    """The ``parallel`` section: data parallel inside one machine (DDP via torchrun)."""
+class FSDPConfig(Section):
+    """The ``parallel.fsdp`` section: how ``strategy: fsdp`` shards the model (FSDP2)."""
 
-    strategy: Literal["auto", "none", "ddp"] = option(
+    reshard_after_forward: bool = option(
+        True,
+        help="Free each unit's gathered parameters after its forward and gather them again "
+        "for backward (less memory); false keeps them until backward (less communication).",
+    )
+    param_dtype: Literal["float32", "bfloat16", "float16"] | None = option(
+        None,
+        help="dtype the parameters are gathered and computed in (FSDP2 MixedPrecisionPolicy); "
+        "null = from `precision` (bf16 -> bfloat16, fp16 -> float16, fp32 -> float32). The "
+        "sharded master weights and the optimizer state stay float32.",
+    )
+    reduce_dtype: Literal["float32", "bfloat16", "float16"] | None = option(
+        None,
+        help="dtype gradients are reduce-scattered in; null = from `precision`, like "
+        "`param_dtype`. float32 reduces at full precision under bf16 compute.",
+    )
+    units: Literal["auto"] | list[str] = option(
         "auto",
-        help="`auto`: DDP when launched with WORLD_SIZE > 1; `none`: never; `ddp`: required.",
+        help="Which modules become FSDP units of their own (then the root takes the rest): "
+        "`auto` = the model's transformer blocks (the classes its `_no_split_modules` names: "
+        "the reference model's `TransformerBlock`, a Hugging Face model's decoder layer; else "
+        "the class repeated in a ModuleList), or a list of class names.",
+    )
+    cpu_offload: bool = option(
+        False,
+        help="Keep the sharded parameters, gradients and optimizer state in host memory "
+        "(FSDP2 CPUOffloadPolicy; the optimizer steps on the CPU). CUDA only.",
+    )
+
+    def validate(self) -> None:
+        if isinstance(self.units, list):
+            if not self.units:
+                raise ConfigError("must be `auto` or a non-empty list of class names", "units")
+            for index, name in enumerate(self.units):
+                if not name.isidentifier():
+                    raise ConfigError(f"{name!r:.60} is not a class name", f"units[{index}]")
+
+
+@dataclass
+class ParallelConfig(Section):
+    """The ``parallel`` section: data parallel (DDP) or sharded (FSDP) inside one machine."""
+
+    strategy: Literal["auto", "none", "ddp", "fsdp"] = option(
+        "auto",
+        help="`auto`: DDP when launched with WORLD_SIZE > 1; `none`: never; `ddp`: required; "
+        "`fsdp`: parameters, gradients and optimizer state sharded over the ranks (FSDP2; on "
+        "one process: no sharding), checkpoints written as sharded DCP directories.",
     )
     backend: Literal["auto", "nccl", "gloo"] = option(
         "auto", help="Process-group backend; `auto` is nccl on CUDA, gloo on CPU."
@@ -444,6 +490,9 @@ class ParallelConfig(Section):
         gt=0,
         le=86400,
         help="Seconds a collective may wait for the other ranks before the run fails.",
+    )
+    fsdp: FSDPConfig = option(
+        default_factory=FSDPConfig, help="FSDP settings, used when `strategy: fsdp`."
     )
 
 
@@ -608,6 +657,8 @@ class SpeedtronicConfig:
                 "which a compiled graph would not honour; turn one of them off",
                 "ooo_backprop.enabled",
             )
+        if self.parallel.strategy == "fsdp":
+            _check_fsdp_combination(self)
         if self.checkpoint.keep_best and not self.eval.configured:
             raise ConfigError(
                 "needs an eval loss to compare: set eval.every (and an eval source if the "
@@ -769,6 +820,30 @@ class SpeedtronicConfig:
         if self.checkpoint.directory:
             return Path(self.checkpoint.directory)
         return self.output_dir / "checkpoints"
+
+
+def _check_fsdp_combination(config: SpeedtronicConfig) -> None:
+    """What ``parallel.strategy: fsdp`` cannot train with, refused before anything is built."""
+    if config.ooo_backprop.enabled:
+        raise ConfigError(
+            "cannot be combined with parallel.strategy fsdp: FSDP reduce-scatters gradients "
+            "in autograd hooks that deferred weight-gradient products bypass; turn one off",
+            "ooo_backprop.enabled",
+        )
+    if config.optimizer.name == "muon":
+        raise ConfigError(
+            "muon cannot be used with parallel.strategy fsdp: Muon orthogonalises whole "
+            "matrices, and each rank holds only a shard of them; use adamw or ddp",
+            "optimizer.name",
+        )
+    if config.checkpoint.async_save:
+        raise ConfigError(
+            "cannot be combined with parallel.strategy fsdp yet: a sharded save is collective "
+            "(every rank writes its shards, then rank 0 commits the checkpoint), which a "
+            "background write off the training path does not do; set checkpoint.async_save: "
+            "false (or use parallel.strategy ddp)",
+            "checkpoint.async_save",
+        )
 
 
 def _provided_sections() -> list[tuple[str, str]]:

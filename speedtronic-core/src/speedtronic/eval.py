@@ -119,6 +119,7 @@ class Evaluator:
         description: str = "",
         parallel: ParallelContext = SINGLE_PROCESS,
         seed: int = EVAL_SEED_SALT,
+        lockstep: bool = False,
     ) -> None:
         if batches != "all" and (isinstance(batches, bool) or not isinstance(batches, int)):
             raise ConfigError(
@@ -127,6 +128,8 @@ class Evaluator:
         if batches != "all" and batches < 1:
             raise ConfigError(f"must be >= 1 (got {batches})", "eval.batches")
         self.parallel = parallel
+        # A sharded (FSDP) forward is a collective: every rank must score as many batches.
+        self.lockstep = lockstep
         self.source = source
         self.batches = batches
         self.device = device
@@ -237,6 +240,31 @@ class Evaluator:
             return iter(self._read_prefix())
         return self._rank_batches()
 
+    def _batch_count(self) -> int:
+        """How many micro-batches this rank scores, without reading the windows."""
+        if self._windows is None:
+            return len(self._read_prefix())
+        chosen = self.chosen_windows()
+        assert chosen is not None
+        if self.parallel.world_size > 1:
+            chosen = chosen[self.parallel.rank :: self.parallel.world_size]
+        return math.ceil(len(chosen) / self._windows.micro_batch_size)
+
+    def _lockstep_extra(self) -> int:
+        """The forwards this rank runs beyond its own micro-batches so that every rank runs
+        as many (``lockstep``; one small collective), else 0."""
+        if not (self.lockstep and self.parallel.enabled):
+            return 0
+        mine = self._batch_count()
+        return int(self.parallel.max_each([mine])[0]) - mine
+
+    def _any_batch(self) -> Any:
+        """A micro-batch for a rank left without windows of its own (more ranks than
+        micro-batches): the split's first, scored by another rank."""
+        if self._windows is None:
+            return self._read_prefix()[0]
+        return next(self._rank_batches(every_rank=True))
+
     def describe(self) -> str:
         """``"240 of 1742 windows (8 micro-batches of 30) of <source>"`` for the log."""
         chosen = self.chosen_windows()
@@ -258,8 +286,13 @@ class Evaluator:
         was_training = model.training
         model.eval()
         try:
+            # A sharded (FSDP) forward is a collective: a rank with fewer micro-batches than
+            # another runs that many more forwards, uncounted, so the ranks stay in step and
+            # score exactly the windows one process would.
+            extra = self._lockstep_extra()
             total = torch.zeros((), device=self.device, dtype=torch.float64)
             batches = samples = tokens = 0
+            last = None
             with torch.no_grad():
                 for batch in self._batches():
                     on_device = move_to(batch, self.device)
@@ -269,6 +302,11 @@ class Evaluator:
                     # Weighted by tokens: a rank's last micro-batch may be short.
                     total += loss.detach().double() * count
                     batches, samples, tokens = batches + 1, samples + rows, tokens + count
+                    last = batch
+                for _ in range(extra):
+                    filler = last if last is not None else self._any_batch()
+                    with self.precision.autocast(self.device):
+                        call_model(model, move_to(filler, self.device))
             # Under DDP each rank scored its own share: add up over ranks (one collective).
             counts = torch.tensor(
                 [float(batches), float(samples), float(tokens)],

@@ -4,8 +4,8 @@ A run launched by ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) or by
 ``speedtronic train --nproc-per-node N`` (which starts the ranks through torch's own elastic
 launcher) trains one model replica per process: each rank reads its own disjoint share of the
 samples, gradients are averaged by DistributedDataParallel, and rank 0 alone writes checkpoints
-and metrics. The cross-machine part stays DumbDiLoCo; FSDP, tensor and pipeline parallelism are
-non-goals, but the ``parallel`` section has a ``strategy`` so one can be added later.
+and metrics. ``strategy: fsdp`` shards the model over the same ranks instead (see
+:mod:`speedtronic.fsdp`). The cross-machine part stays DumbDiLoCo.
 
 :class:`ParallelContext` is what the rest of the engine sees: ``rank``, ``world_size``,
 ``is_main``, and the few collectives it needs (a mean of a device scalar at the log cadence, a
@@ -143,6 +143,8 @@ def init_parallel(section: Any, requested_device: str) -> ParallelContext:
     GPU machine and on the CPU otherwise; the backend defaults to NCCL on CUDA and gloo on CPU.
     """
     world = launched_world_size()
+    if section.strategy == "fsdp" and world == 1:
+        return SINGLE_PROCESS  # one process holds everything: nothing to shard
     if section.strategy == "none" or (section.strategy == "auto" and world == 1):
         if world > 1:
             log.warning(
@@ -201,6 +203,11 @@ def init_parallel(section: Any, requested_device: str) -> ParallelContext:
         owns_group=owns,
     )
     log.info(
-        "data parallel: rank %d of %d (%s, %s)", context.rank, context.world_size, backend, device
+        "%s: rank %d of %d (%s, %s)",
+        "sharded data parallel" if section.strategy == "fsdp" else "data parallel",
+        context.rank,
+        context.world_size,
+        backend,
+        device,
     )
     return context

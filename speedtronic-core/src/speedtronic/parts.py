@@ -3,7 +3,8 @@
 :func:`build_parts` is the only place that decides the device, the precision and its
 GradScaler, the optimizer (configured, or the caller's, wrapped in cautious masking when
 ``optimizer.cautious`` asks), the schedule, the checkpoint manager, the metric logger, the
-plugin manager, gradient checkpointing, out-of-order backprop and ``torch.compile``.
+plugin manager, gradient checkpointing, out-of-order backprop, ``torch.compile`` and the data
+parallel wrapping (DDP, or FSDP2 sharding with ``parallel.strategy: fsdp``).
 :func:`speedtronic.runtime.build_runtime` calls it with the configured model and data;
 ``Trainer(model, config, ...)`` calls it with whatever a Python user passed, so both ways build
 a run the same way.
@@ -63,6 +64,9 @@ class TrainingParts:
     """This process's rank and world size (data parallel), single-process by default."""
     ddp: Any = None
     """The DistributedDataParallel wrapper the forward runs through under DDP, else None."""
+    fsdp: Any = None
+    """The :class:`~speedtronic.fsdp.ShardedRun` when ``parallel.strategy: fsdp`` shards the
+    model over several ranks (``model`` is then the FSDP2 root module), else None."""
     accumulation_steps: int = 1
     """Micro-batches per optimizer step on this rank: the global ``data.target_batch_size``
     divided by ``micro_batch_size`` x world size."""
@@ -94,10 +98,34 @@ def build_parts(
     accumulation = accumulation_steps(config, parallel.world_size)
     model = model.to(device)
     precision = resolve_precision(config.precision.mode, device)
+    fsdp = None
+    if config.parallel.strategy == "fsdp" and parallel.enabled:
+        if optimizer is not None:
+            raise ConfigError(
+                "is fsdp: the optimizer must be built over the sharded parameters, so pass "
+                "none and let the optimizer section build it",
+                "parallel.strategy",
+            )
+        from speedtronic.flops import meta_shadow
+        from speedtronic.fsdp import ShardedRun, shard_model
+
+        # The FLOP count needs the model whole; a meta copy of it costs no memory.
+        shadow = meta_shadow(model)
+        # Before the optimizer exists: it must hold the sharded (DTensor) parameters.
+        units = shard_model(
+            model,
+            config.parallel.fsdp,
+            device=device,
+            world_size=parallel.world_size,
+            compute_dtype=precision.dtype,
+            activation_checkpointing=config.gradient_checkpointing,
+        )
+        fsdp = ShardedRun(model, units, shadow)
     optimizer = build_optimizer(model, config.optimizer, device, optimizer)
     if scheduler is None:
         scheduler = build_scheduler(optimizer, config.scheduler, config.run.max_steps)
-    _set_gradient_checkpointing(model, config.gradient_checkpointing)
+    if fsdp is None:  # under FSDP activation checkpointing is applied per unit
+        _set_gradient_checkpointing(model, config.gradient_checkpointing)
     # The swap is an instance attribute on each nn.Linear: state_dict keys and module types stay.
     ooo = install_ooo_backprop(model, config.ooo_backprop, device)
     if ooo is not None:
@@ -117,10 +145,11 @@ def build_parts(
             precision=precision,
             label_mode=labels,
             parallel=parallel,
+            lockstep=fsdp is not None,
         )
         log.info("eval: %s", evaluator.describe())
     ddp = None
-    if parallel.enabled:
+    if parallel.enabled and fsdp is None:
         if ooo is not None:
             raise ConfigError(
                 "cannot be combined with data parallel yet: DDP reduces gradients in autograd "
@@ -141,34 +170,47 @@ def build_parts(
         data=data,
         device=device,
         precision=precision,
-        scaler=precision.grad_scaler(device),
+        scaler=_grad_scaler(precision, device, sharded=fsdp is not None),
         optimizer=optimizer,
         scheduler=scheduler,
-        checkpoints=_checkpoint_manager(config, checkpoints, parallel),
+        checkpoints=_checkpoint_manager(config, checkpoints, parallel, model, optimizer),
         metrics=metric_logger if metric_logger is not None else MetricLogger(),
         plugin_manager=plugin_manager if plugin_manager is not None else get_plugin_manager(),
-        compiled=CompiledModel(ddp if ddp is not None else model, config.compile),
+        compiled=CompiledModel(
+            ddp if ddp is not None else model,
+            config.compile,
+            units=fsdp.units if fsdp is not None else None,
+        ),
         label_mode=labels,
         ooo_backprop=ooo,
         evaluator=evaluator,
         parallel=parallel,
         ddp=ddp,
+        fsdp=fsdp,
         accumulation_steps=accumulation,
     )
 
 
 def _checkpoint_manager(
-    config: SpeedtronicConfig, given: CheckpointManager | None, parallel: ParallelContext
+    config: SpeedtronicConfig,
+    given: CheckpointManager | None,
+    parallel: ParallelContext,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
 ) -> CheckpointManager:
     """The run's manager: a given one keeps its directory and retention but saves when the
-    config's ``checkpoint`` section says, among this run's ranks."""
+    config's ``checkpoint`` section says, among this run's ranks; with ``parallel.strategy:
+    fsdp`` (on one process too, so the layout does not depend on the launcher) it writes
+    sharded DCP checkpoints."""
     policy = SavePolicy.from_config(config.checkpoint)
-    if given is None:
-        return CheckpointManager(
-            config.checkpoint_dir, config.checkpoint.keep_last, policy=policy, parallel=parallel
-        )
-    given.policy, given.parallel = policy, parallel
-    return given
+    manager = given or CheckpointManager(config.checkpoint_dir, config.checkpoint.keep_last)
+    manager.policy, manager.parallel = policy, parallel
+    manager.sharded_writer = None
+    if config.parallel.strategy == "fsdp":
+        from speedtronic.checkpoint.dcp import ShardedWriter
+
+        manager.sharded_writer = ShardedWriter(model, optimizer)
+    return manager
 
 
 def accumulation_steps(config: SpeedtronicConfig, world_size: int = 1) -> int:
@@ -206,6 +248,16 @@ def model_limits(model: nn.Module, params: dict[str, Any]) -> dict[str, int | No
         else:
             found[key] = None
     return found
+
+
+def _grad_scaler(precision: Precision, device: torch.device, sharded: bool) -> Any:
+    """The run's GradScaler; over FSDP shards one that agrees across ranks on an overflow
+    (each rank sees only its shards' infs), so every rank skips the same steps."""
+    if sharded and precision.use_grad_scaler:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device.type)
+    return precision.grad_scaler(device)
 
 
 def _set_gradient_checkpointing(model: nn.Module, enabled: bool) -> None:

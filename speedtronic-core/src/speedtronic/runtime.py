@@ -38,6 +38,7 @@ __all__ = [
     "check_runtime",
     "data_rank",
     "dataset_from_config",
+    "memory_report",
     "seed_everything",
     "train_from_config",
 ]
@@ -120,13 +121,16 @@ def dataset_from_config(config: SpeedtronicConfig, rank: int = 0, num_ranks: int
         ) from exc
 
 
-def check_runtime(config: Any) -> str:
+def check_runtime(config: Any, world_size: int = 1) -> str:
     """Check that ``config`` would build: the model (on the meta device, so no weights are
     allocated), its data and eval data against the model's limits, a ``data.dataset`` factory's
-    import path. Raises the same one-line errors ``train`` would; returns a short summary."""
+    import path, ``parallel.fsdp.units``. Raises the same one-line errors ``train`` would;
+    returns a short summary, with the per-rank state memory of ``ddp`` and ``fsdp`` on
+    ``world_size`` ranks."""
     config = SpeedtronicConfig.load(config)
     with torch.device("meta"):
         model = build_model_from_hook(config.model.name, **config.model.params)
+    memory = memory_report(model, config, world_size)
     limits = model_limits(model, config.model.params)
     parameters = sum(p.numel() for p in model.parameters())
     if config.data.dataset:
@@ -139,7 +143,34 @@ def check_runtime(config: Any) -> str:
 
         source = build_eval_source(config, **limits)
         data_text += f"; eval: {getattr(source, 'description', type(source).__name__)}"
-    return f"model {config.model.name}: {parameters:,} parameters; data: {data_text}"
+    return f"model {config.model.name}: {parameters:,} parameters; data: {data_text}\n{memory}"
+
+
+def memory_report(model: nn.Module, config: SpeedtronicConfig, world_size: int) -> str:
+    """Estimated bytes per rank of parameters, gradients and optimizer state (AdamW's two
+    moments per parameter) under ``ddp`` and under ``fsdp`` on ``world_size`` ranks."""
+    from speedtronic.fsdp import find_units, state_bytes_per_rank
+
+    units = find_units(model, config.parallel.fsdp.units)
+    parts = []
+    for strategy in ("ddp", "fsdp"):
+        estimate = state_bytes_per_rank(model, world_size, strategy, units=units)
+        text = (
+            f"{strategy} {_gib(estimate.total)} (params {_gib(estimate.params)}, grads "
+            f"{_gib(estimate.grads)}, optimizer {_gib(estimate.optimizer)})"
+        )
+        if estimate.gathered:
+            text += f" + {_gib(estimate.gathered)} gathered while a unit runs"
+        parts.append(text)
+    ranks = f"{world_size} rank{'s' if world_size > 1 else ''}"
+    return f"state per rank on {ranks} (estimate): " + "; ".join(parts)
+
+
+def _gib(count: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if count >= 1 << shift:
+            return f"{count / (1 << shift):.2f} {unit}"
+    return f"{count} B"
 
 
 def build_runtime(

@@ -36,10 +36,12 @@ from speedtronic.checkpoint import (
     rng_state,
     set_rng_state,
 )
+from speedtronic.checkpoint.dcp import load_sharded_weights
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.data import DataSource, repeat_epochs
 from speedtronic.errors import CheckpointError, DataError, SpeedtronicError
 from speedtronic.flops import FlopsReport, measure_run_flops
+from speedtronic.fsdp import load_full_model_state, load_optimizer_state
 from speedtronic.metrics import MetricLogger, ThroughputMeter, process_memory_mb
 from speedtronic.optim import reset_optimizer_state
 from speedtronic.parts import TrainingParts, build_parts
@@ -231,6 +233,7 @@ class Trainer:
         self.accumulation_steps = parts.accumulation_steps
         self.parallel = parts.parallel
         self.ddp = parts.ddp
+        self.fsdp = parts.fsdp
         self.reset_optimizer_on_weight_replace = True
         self.plugin_state: dict[str, Any] = {}
         self.step = 0
@@ -264,7 +267,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue this run exactly (plugins add theirs via hooks)."""
+        """Everything needed to continue this run exactly (plugins add theirs via hooks).
+        Under FSDP ``model`` and ``optimizer`` hold this rank's shards (DTensors); for the
+        whole model on the CPU use :func:`speedtronic.fsdp.full_model_state`."""
         plugins: dict[str, Any] = {}
         self.plugin_manager.hook.on_checkpoint(trainer=self, state=plugins)
         return {
@@ -291,8 +296,10 @@ class Trainer:
             "plugins": plugins,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], shards: Path | None = None) -> None:
         """Restore a state produced by :meth:`state_dict` (plugins restore theirs via hooks).
+        ``shards``: the ``dcp/`` folder of a sharded checkpoint whose model and optimizer
+        tensors are loaded from there (resharded to this run), not from ``state``.
 
         Raises :class:`CheckpointError` when the state does not fit this model or optimizer.
         """
@@ -301,18 +308,11 @@ class Trainer:
             raise CheckpointError(
                 f"unsupported trainer state format {found!r} (this version reads {STATE_FORMAT})"
             )
-        mismatch = state_mismatch(self.model.state_dict(), state["model"])
-        if mismatch:
-            raise CheckpointError(f"the checkpoint does not fit this model ({mismatch})")
+        if shards is not None:
+            load_sharded_weights(shards, self.model, self.optimizer, state["optimizer"])
+        else:
+            self._load_weights(state)
         try:
-            self.model.load_state_dict(state["model"])
-        except (RuntimeError, KeyError, ValueError) as exc:
-            raise CheckpointError(
-                f"the checkpoint does not fit this model (was model.* changed?): "
-                f"{str(exc).strip().splitlines()[0]}"
-            ) from exc
-        try:
-            self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
         except (RuntimeError, KeyError, ValueError, TypeError) as exc:
             raise CheckpointError(
@@ -342,6 +342,26 @@ class Trainer:
         self._resumed_rng = rng
         self.plugin_manager.hook.on_load_checkpoint(trainer=self, state=state.get("plugins") or {})
 
+    def _load_weights(self, state: dict[str, Any]) -> None:
+        """Model and optimizer from a full state (of a single-process, DDP or FSDP run)."""
+        mismatch = state_mismatch(self.model.state_dict(), state["model"])
+        if mismatch:
+            raise CheckpointError(f"the checkpoint does not fit this model ({mismatch})")
+        try:
+            load_full_model_state(self.model, state["model"])
+        except (RuntimeError, KeyError, ValueError) as exc:
+            raise CheckpointError(
+                f"the checkpoint does not fit this model (was model.* changed?): "
+                f"{str(exc).strip().splitlines()[0]}"
+            ) from exc
+        try:
+            load_optimizer_state(self.model, self.optimizer, state["optimizer"])
+        except (RuntimeError, KeyError, ValueError, TypeError) as exc:
+            raise CheckpointError(
+                f"the checkpoint's optimizer state does not fit this run (was optimizer.* "
+                f"changed?): {exc}"
+            ) from exc
+
     def save_checkpoint(self) -> Path:
         """Durably write a checkpoint of the current state now; returns its directory.
 
@@ -362,7 +382,8 @@ class Trainer:
         state = self.state_dict()
         if self.parallel.enabled:
             # Every rank's generators, so a resume with the same world size continues each
-            # rank exactly (a collective: every rank builds the state, rank 0 writes it).
+            # rank exactly (a collective: every rank builds the state; rank 0 writes it, or under
+            # FSDP every rank its own shards).
             state["rng_per_rank"] = self.parallel.gather(state["rng"])
         return state
 
@@ -373,10 +394,11 @@ class Trainer:
 
     def _resume(self) -> None:
         """Load the newest usable checkpoint; no checkpoint at all means a fresh start."""
-        loaded = self.checkpoints.resume_point(check=check_trainer_state)
+        # A sharded checkpoint's weights stay on disk here: each rank loads its own shards.
+        loaded = self.checkpoints.resume_point(check=check_trainer_state, weights=False)
         if loaded is None:
             return
-        self.load_state_dict(loaded.state)
+        self.load_state_dict(loaded.state, shards=loaded.shards)
         self.resumed_from = loaded.step
         log.info(
             "resumed from %s (step %d of %d)", loaded.path, loaded.step, self.config.run.max_steps
@@ -438,6 +460,8 @@ class Trainer:
                 del output
                 # Each micro-batch loss is a mean; dividing by their count makes the summed
                 # gradients those of the mean over the whole optimizer batch.
+                if self.fsdp is not None and accumulating:
+                    self.fsdp.before_backward(last)
                 self.scaler.scale(loss / len(batches) if accumulating else loss).backward()
             self._drain_grads(last=index == len(batches) - 1)
             losses.append(loss.detach())
@@ -474,9 +498,13 @@ class Trainer:
         if clip is not None or want_norm:
             self.scaler.unscale_(self.optimizer)
             params = [p for g in self.optimizer.param_groups for p in g["params"]]
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                params, clip if clip is not None else float("inf")
+            # Under FSDP each rank holds gradient shards: the norm is summed over ranks.
+            clip_fn = (
+                self.fsdp.clip_grad_norm
+                if self.fsdp is not None
+                else torch.nn.utils.clip_grad_norm_
             )
+            grad_norm = clip_fn(params, clip if clip is not None else float("inf"))
         if not self.scaler.is_enabled():
             self.optimizer.step()
             return True, grad_norm

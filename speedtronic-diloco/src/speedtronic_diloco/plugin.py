@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from speedtronic import hookimpl
-from speedtronic.errors import PluginError
+from speedtronic.errors import ConfigError, PluginError
 from speedtronic_diloco.config import DistributedConfig, resolve_state_dir
 from speedtronic_diloco.identity import node_data_seed, resolve_node_id
 
@@ -152,6 +152,14 @@ def on_train_start(trainer: Any) -> None:
         return
     from speedtronic_diloco.coordinator import DumbDiLoCoCoordinator
 
+    if trainer.config.parallel.strategy == "fsdp":
+        # The coordinator reads and installs whole tensors of the model it is given; sharded
+        # (DTensor) parameters would need the full-state helpers at every sync point.
+        raise ConfigError(
+            "is fsdp, which a DiLoCo node (distributed.enabled) does not run yet; use ddp "
+            "(or none) inside the node",
+            "parallel.strategy",
+        )
     run = _run_for(trainer)
     parallel = trainer.parallel
     if parallel.enabled:

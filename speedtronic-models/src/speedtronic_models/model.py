@@ -67,6 +67,10 @@ class ReferenceTransformer(nn.Module):
     Invalid parameters raise :class:`speedtronic.ConfigError` naming ``model.<param>``.
     """
 
+    # The Hugging Face attribute for "never split these modules": Speedtronic's FSDP
+    # (``parallel.fsdp.units: auto``) makes each of them a unit of its own.
+    _no_split_modules = ("TransformerBlock",)
+
     def __init__(
         self,
         *,

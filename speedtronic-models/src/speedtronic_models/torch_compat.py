@@ -60,6 +60,8 @@ def compute_dtype(x: Tensor) -> torch.dtype:
             return torch.get_autocast_cpu_dtype()
         if kind == "cuda" and torch.is_autocast_enabled():
             return torch.get_autocast_gpu_dtype()
+    except RuntimeError:  # a device kind autocast does not know (meta: a FLOP count's shapes)
+        pass
     return x.dtype
 
 

@@ -8,6 +8,9 @@ Layout of a checkpoint directory::
         manifest.json         step, size and sha256 (per 32 MiB slice) of the two files above
     latest.json               {"checkpoint": "step_00000100", "step": 100, "format": 1}
 
+A run with ``parallel.strategy: fsdp`` writes sharded checkpoints instead, the same way (see
+:mod:`speedtronic.checkpoint.dcp`: a ``dcp/`` folder beside the two files, all in the manifest).
+
 A checkpoint is assembled in a hidden staging directory (``.step_00000100.<random>.tmp``),
 every file is fsynced, the staging directory is renamed into place and the parent directory
 fsynced; only then is ``latest.json`` atomically replaced, and only after that pointer is
@@ -26,6 +29,7 @@ import errno
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -80,7 +84,8 @@ BEST_POINTER = "best.json"
 TENSORS = "tensors.safetensors"
 STATE = "state.json"
 MANIFEST = "manifest.json"
-# 8 to 18 digits: every step an int64 holds, and never a number too long to convert.
+# The files of a sharded (DCP) checkpoint's dcp/ folder that a manifest may list.
+SHARD_FILE = re.compile(r"^dcp/(\.metadata|__\d{1,6}_\d{1,6}\.distcp)$")
 # Files are hashed in slices of this size, in parallel, so big checkpoints verify quickly.
 HASH_CHUNK_BYTES = 32 << 20
 # A pointer is one short JSON line; anything larger is not one.
@@ -110,6 +115,9 @@ class LoadedCheckpoint:
     path: Path
     step: int
     state: Any
+    shards: Path | None = None
+    """A sharded (DCP) checkpoint read without its weights: the ``dcp/`` directory that
+    :func:`speedtronic.checkpoint.dcp.load_sharded_weights` loads them from."""
 
 
 class CheckpointManager:
@@ -118,8 +126,9 @@ class CheckpointManager:
 
     Under data parallel (``parallel``) every rank calls the run-facing methods at the same
     points: rank 0 alone touches the directory and the others learn its outcome, so every rank
-    raises the same :class:`CheckpointError`. A different writer (a distributed one where every
-    rank writes its shard) replaces :meth:`save` and :meth:`_write_on_ranks`; the policy stays.
+    raises the same :class:`CheckpointError`. With a ``sharded_writer`` (``parallel.strategy:
+    fsdp``, :class:`speedtronic.checkpoint.dcp.ShardedWriter`) every rank writes its own shards
+    of each save instead; the policy, retention and pointers stay the same.
     """
 
     def __init__(
@@ -144,13 +153,19 @@ class CheckpointManager:
         self._unreported: list[SavedCheckpoint] = []
         # Held from start_run to close: no second live run writes this directory.
         self._run_lock: RunLock | None = None
+        # Called on every rank with (manager, step, state) to write a sharded checkpoint
+        # (speedtronic.checkpoint.dcp.ShardedWriter); None: rank 0 writes the whole state.
+        self.sharded_writer: Callable[[CheckpointManager, int, Any], Path] | None = None
 
     # ------------------------------------------------------------------ a run's saves
-    def resume_point(self, check: Callable[[Any], None] | None = None) -> LoadedCheckpoint | None:
-        """The checkpoint a resumed run continues from (:meth:`load_latest`), or None for a
-        fresh start: no checkpoint yet, or none usable and ``allow_fresh_start`` set."""
+    def resume_point(
+        self, check: Callable[[Any], None] | None = None, *, weights: bool = True
+    ) -> LoadedCheckpoint | None:
+        """The checkpoint a resumed run continues from (:meth:`load_latest`, ``weights`` as in
+        :meth:`read`), or None for a fresh start: no checkpoint yet, or none usable and
+        ``allow_fresh_start`` set."""
         try:
-            loaded = self.load_latest(check=check)
+            loaded = self.load_latest(check=check, weights=weights)
         except CheckpointError as exc:
             if not self.policy.allow_fresh_start:
                 raise
@@ -234,7 +249,10 @@ class CheckpointManager:
         in flight); ``state`` is the state or a callable building it."""
         self._join()
         tree = state() if callable(state) else state
-        path = self._write_on_ranks(step, lambda: self._write_with_retry(step, tree))
+        if self.sharded_writer is not None:
+            path = self.sharded_writer(self, step, tree)  # every rank writes its shards
+        else:
+            path = self._write_on_ranks(step, lambda: self._write_with_retry(step, tree))
         self._saved(step)
         return SavedCheckpoint(step, path)
 
@@ -288,6 +306,12 @@ class CheckpointManager:
         return clock_due
 
     def _start_background(self, step: int, state: Any) -> None:
+        if self.sharded_writer is not None:
+            # The config refuses this combination; a manager put together by hand gets it too.
+            raise CheckpointError(
+                "checkpoint.async_save cannot be used with parallel.strategy fsdp (sharded "
+                "saves are collective: every rank writes its shards)"
+            )
         self._join()  # at most one write in flight: the next save waits for the previous one
         if self.parallel.is_main:
             # The copy to CPU memory is the only part the training step waits for.
@@ -532,10 +556,13 @@ class CheckpointManager:
             raise CheckpointError(f"{path.name}: unreadable manifest ({exc})") from None
         if manifest_step != step:
             raise CheckpointError(f"{path.name}: manifest is for step {manifest_step}")
-        if set(expected_files) != {TENSORS, STATE}:
+        shard_files = set(expected_files) - {TENSORS, STATE}
+        if not {TENSORS, STATE} <= set(expected_files) or not _valid_shard_set(shard_files):
             raise CheckpointError(
-                f"{path.name}: manifest lists unexpected files {sorted(expected_files)}"
+                f"{path.name}: manifest lists unexpected files {sorted(expected_files)[:8]}"
             )
+        if shard_files and (path / "dcp").is_symlink():
+            raise CheckpointError(f"{path.name}/dcp is a symlink")
         for filename, (size, chunk_bytes, digests) in expected_files.items():
             file = path / filename
             if file.is_symlink() or not file.is_file():
@@ -550,16 +577,27 @@ class CheckpointManager:
                 raise CheckpointError(f"{path.name}/{filename} fails its sha256 check")
         return step
 
-    def read(self, path: Path, check: Callable[[Any], None] | None = None) -> LoadedCheckpoint:
+    def read(
+        self, path: Path, check: Callable[[Any], None] | None = None, *, weights: bool = True
+    ) -> LoadedCheckpoint:
         """Verify and decode one checkpoint directory (safetensors and JSON, never pickle).
 
         ``check(state)`` may raise :class:`CheckpointError` for a state that decodes but is not
-        what its reader needs (a tampered file with a consistent manifest)."""
+        what its reader needs (a tampered file with a consistent manifest). A sharded (DCP)
+        checkpoint is read whole onto the CPU; with ``weights=False`` its model and optimizer
+        tensors are left where they are and ``shards`` names them."""
         step = self.verify(path)
+        shards = None
         try:
-            tensors = load_file(str(path / TENSORS))
-            json_tree = json.loads((path / STATE).read_text(encoding="utf-8"))
-            state = statecodec.decode(json_tree, tensors)
+            from speedtronic.checkpoint import dcp
+
+            if dcp.is_sharded_checkpoint(path):
+                state = dcp.read_sharded_state(path, weights)
+                shards = None if weights else path / dcp.DCP_DIR
+            else:
+                tensors = load_file(str(path / TENSORS))
+                json_tree = json.loads((path / STATE).read_text(encoding="utf-8"))
+                state = statecodec.decode(json_tree, tensors)
         except Exception as exc:
             raise CheckpointError(
                 f"{path.name}: cannot decode ({type(exc).__name__}: {exc})"
@@ -569,7 +607,7 @@ class CheckpointManager:
                 check(state)
             except CheckpointError as exc:
                 raise CheckpointError(f"{path.name}: {exc}") from None
-        return LoadedCheckpoint(path=path, step=step, state=state)
+        return LoadedCheckpoint(path=path, step=step, state=state, shards=shards)
 
     def load(
         self, which: str = "latest", check: Callable[[Any], None] | None = None
@@ -604,13 +642,16 @@ class CheckpointManager:
         except CheckpointError as exc:
             raise CheckpointError(f"checkpoint {path.parent}/{exc}") from None
 
-    def load_latest(self, check: Callable[[Any], None] | None = None) -> LoadedCheckpoint | None:
+    def load_latest(
+        self, check: Callable[[Any], None] | None = None, *, weights: bool = True
+    ) -> LoadedCheckpoint | None:
         """The newest usable checkpoint, or None when the directory holds none at all.
 
         ``latest.json``'s target is tried first, then the checkpoints older than it, newest
         first (every checkpoint when there is no usable pointer); each one that is missing or
         fails verification is named in a warning. If checkpoints exist but none is usable,
         raises :class:`CheckpointError` rather than letting the caller start over silently.
+        ``weights`` as in :meth:`read`.
         """
         target = self.pointer_target()
         candidates = self.candidates()
@@ -624,7 +665,7 @@ class CheckpointManager:
         failures = []
         for path in order:
             try:
-                return self.read(path, check)
+                return self.read(path, check, weights=weights)
             except CheckpointError as exc:
                 log.warning("skipping unusable checkpoint %s: %s", path, exc)
                 failures.append(str(exc))
@@ -632,6 +673,13 @@ class CheckpointManager:
             f"no usable checkpoint in {self.directory} ({'; '.join(failures)}); "
             "set checkpoint.allow_fresh_start: true to start over"
         )
+
+
+def _valid_shard_set(names: set[str]) -> bool:
+    """A sharded checkpoint's manifest lists DCP's metadata and shard files, nothing else."""
+    if not names:
+        return True
+    return all(SHARD_FILE.match(n) for n in names) and "dcp/.metadata" in names
 
 
 def free_space(directory: Path) -> str:
