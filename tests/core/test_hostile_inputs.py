@@ -28,6 +28,7 @@ from torch import nn
 from speedtronic import cli
 from speedtronic.checkpoint import CheckpointManager, checkpoint_name
 from speedtronic.checkpoint import manager as manager_module
+from speedtronic.checkpoint import reader as reader_module
 from speedtronic.data import check_shards, read_index
 from speedtronic.data.preparation import prepare
 from speedtronic.errors import CheckpointError, DataError, SpeedtronicError
@@ -194,7 +195,7 @@ def test_a_manifest_that_is_not_a_small_regular_file_is_a_corrupt_checkpoint(
         manifest.mkdir()
     else:
         with open(manifest, "wb") as handle:  # sparse: no disk space used
-            handle.truncate(manager_module.MAX_MANIFEST_BYTES + 1)
+            handle.truncate(reader_module.MAX_MANIFEST_BYTES + 1)
     expected = {"fifo": "a FIFO", "directory": "a directory", "huge": "larger than 16 MiB"}[kind]
     with pytest.raises(CheckpointError, match=r"unreadable manifest") as caught:
         without_hanging(lambda: CheckpointManager(checkpoints).load(str(manifest.parent)), manifest)
