@@ -1,5 +1,5 @@
-"""The shape of every distribution's source: no import cycle between the modules of a package
-and no room too big (files of at most 650 lines, classes of at most 400)."""
+"""The shape of every distribution's source: no room too big (files of at most 650 lines,
+classes of at most 400). Import circles: tests/core/test_import_graph.py."""
 
 from __future__ import annotations
 
@@ -43,40 +43,6 @@ def import_graph(package: str) -> dict[str, set[str]]:
         name: {d for d in module_level_imports(path, package) if d in modules and d != name}
         for name, path in modules.items()
     }
-
-
-def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One import loop of ``graph`` (``[a, b, a]``), or None."""
-    done: set[str] = set()
-
-    def walk(start: str, path: list[str]) -> list[str] | None:
-        for dep in sorted(graph[start]):
-            if dep in path:
-                return [*path[path.index(dep) :], dep]
-            if dep in done:
-                continue
-            found = walk(dep, [*path, dep])
-            if found:
-                return found
-        done.add(start)
-        return None
-
-    for name in sorted(graph):
-        found = walk(name, [name])
-        if found:
-            return found
-    return None
-
-
-def test_find_cycle_names_the_files_that_close_a_loop() -> None:
-    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
-    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
-
-
-@pytest.mark.parametrize("package", PACKAGES)
-def test_no_import_cycles_between_modules(package: str) -> None:
-    cycle = find_cycle(import_graph(package))
-    assert cycle is None, f"import cycle: {' -> '.join(cycle or [])}"
 
 
 def test_diloco_transports_depend_on_nothing_above_them() -> None:

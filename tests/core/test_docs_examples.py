@@ -111,6 +111,9 @@ NOT_RUN: dict[tuple[str, str], str] = {
             "speedtronic train --config configs/smoke.yaml --max-steps 200 --output-dir runs/long "
             "--resume",
             "speedtronic train -c run.yaml --set data.micro_batch_size=4 --set optimizer.lr=1e-3",
+            # (the text as parsed: shell quotes removed)
+            "speedtronic generate -c run.yaml -p The  --max-new-tokens 500 --temperature 0.8 "
+            "--top-k 40 --seed 1",
         )
     },
 }
@@ -119,6 +122,9 @@ NOT_RUN: dict[tuple[str, str], str] = {
 BEFORE = {
     # export and generate read the smoke run's checkpoints: latest, best and step 50
     "docs/models.md": "speedtronic train --config configs/smoke.yaml --max-steps 50 "
+    "--set checkpoint.keep_best=true",
+    # eval, export and generate read the run in runs/demo (its latest and best checkpoints)
+    "docs/cli.md": "speedtronic train --config configs/smoke.yaml --output-dir runs/demo "
     "--set checkpoint.keep_best=true",
 }
 

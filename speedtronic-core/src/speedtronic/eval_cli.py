@@ -73,12 +73,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from speedtronic.eval import Evaluator, build_eval_source
     from speedtronic.inference import read_checkpoint
-    from speedtronic.parts import model_limits
+    from speedtronic.model_limits import model_limits
     from speedtronic.plugins import get_plugin_manager
     from speedtronic.precision import resolve_device, resolve_precision
     from speedtronic.registry import build_model_from_hook
+    from speedtronic.state_checks import state_mismatch
     from speedtronic.threads import apply_threads
-    from speedtronic.trainer import state_mismatch
 
     apply_threads(config.run.threads)
     if args.use_global:

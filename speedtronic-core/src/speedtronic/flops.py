@@ -337,7 +337,7 @@ def measure_run_flops(trainer: Any) -> FlopsReport:
     The sample is the first micro-batch of a list of batches when the run trains on one (its
     shape, never its values), else one ``[1, seq_len]`` token sample shaped as the built-in
     sources shape theirs."""
-    from speedtronic.parts import model_limits
+    from speedtronic.model_limits import model_limits
 
     config = trainer.config
     model = trainer.model

@@ -55,7 +55,7 @@ def read_checkpoint(config: SpeedtronicConfig, which: str = "latest") -> LoadedC
     one ``best.json`` names, kept by runs that evaluate), the path of one ``step_NNNNNNNN``
     directory, or of a checkpoint directory (its newest checkpoint). Verified against its
     manifest; raises :class:`CheckpointError` naming what is missing."""
-    from speedtronic.trainer import check_trainer_state
+    from speedtronic.state_checks import check_trainer_state
 
     manager = CheckpointManager(config.checkpoint_dir)
     if which not in ("latest", "best"):
@@ -107,7 +107,7 @@ def load_trained_model(
         loaded = read_checkpoint(config, checkpoint)  # a missing one fails before the model
         state, source, step = loaded.state["model"], f"checkpoint {loaded.path}", loaded.step
         model = build_model_from_hook(config.model.name, **config.model.params)
-    from speedtronic.trainer import state_mismatch
+    from speedtronic.state_checks import state_mismatch
 
     mismatch = state_mismatch(model.state_dict(), state)
     if mismatch:

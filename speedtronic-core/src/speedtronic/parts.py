@@ -28,12 +28,14 @@ from speedtronic.data import DataSource
 from speedtronic.errors import ConfigError
 from speedtronic.eval import Evaluator, build_eval_source
 from speedtronic.metrics import MetricLogger
+from speedtronic.model_limits import model_limits
 from speedtronic.ooo_backprop import OOOBackprop, install_ooo_backprop
 from speedtronic.optim import build_optimizer, build_scheduler
 from speedtronic.parallel import SINGLE_PROCESS, ParallelContext
 from speedtronic.precision import Precision, resolve_device, resolve_precision
 
 __all__ = ["TrainingParts", "accumulation_steps", "build_parts", "model_limits"]
+
 
 log = logging.getLogger("speedtronic.trainer")
 
@@ -225,29 +227,6 @@ def accumulation_steps(config: SpeedtronicConfig, world_size: int = 1) -> int:
             "data.target_batch_size",
         )
     return target // (micro * world_size)
-
-
-def model_limits(model: nn.Module, params: dict[str, Any]) -> dict[str, int | None]:
-    """The model's sequence length and vocabulary, for the data defaults: its own
-    ``max_seq_len``/``vocab_size`` attributes, a Hugging Face ``config.max_position_embeddings``
-    / ``config.vocab_size``, then the ``model`` section's ``max_seq_len``/``vocab_size``."""
-    hf_config = getattr(model, "config", None)
-    found: dict[str, int | None] = {}
-    for key, attribute, hf_attribute in (
-        ("seq_len", "max_seq_len", "max_position_embeddings"),
-        ("vocab_size", "vocab_size", "vocab_size"),
-    ):
-        for value in (
-            getattr(model, attribute, None),
-            getattr(hf_config, hf_attribute, None),
-            params.get(attribute),
-        ):
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                found[key] = value
-                break
-        else:
-            found[key] = None
-    return found
 
 
 def _grad_scaler(precision: Precision, device: torch.device, sharded: bool) -> Any:

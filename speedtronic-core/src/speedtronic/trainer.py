@@ -12,42 +12,32 @@ import logging
 import math
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from itertools import islice
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from speedtronic.batch import (
-    aux_metrics,
     batch_size_and_tokens,
-    call_model,
-    labels_as_inputs,
-    loss_of,
-    move_to,
 )
 from speedtronic.checkpoint import (
     CheckpointManager,
-    SavedCheckpoint,
     checkpoint_name,
-    rng_state,
-    set_rng_state,
 )
-from speedtronic.checkpoint.dcp import load_sharded_weights
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.data import DataSource, repeat_epochs
-from speedtronic.errors import CheckpointError, DataError, SpeedtronicError
 from speedtronic.flops import FlopsReport, measure_run_flops
-from speedtronic.fsdp import load_full_model_state, load_optimizer_state
 from speedtronic.metrics import MetricLogger, ThroughputMeter, process_memory_mb
 from speedtronic.optim import reset_optimizer_state
 from speedtronic.parts import TrainingParts, build_parts
 from speedtronic.plugins import call_each
 from speedtronic.profiling import StepProfiler, build_profiler
+from speedtronic.state_checks import STATE_FORMAT, check_trainer_state, state_mismatch
 from speedtronic.stopping import StopRequest, StopSignals
+from speedtronic.train_step import MAX_CONSECUTIVE_SKIPS, TrainStep
+from speedtronic.trainer_state import TrainerState
 
 __all__ = [
     "MAX_CONSECUTIVE_SKIPS",
@@ -96,72 +86,8 @@ STEP_KEYS = frozenset(
     }
 )
 
-# GradScaler halves its scale on every overflow; after this many skipped attempts in a row the
-# loss itself is not finite and retrying cannot help.
-MAX_CONSECUTIVE_SKIPS = 64
 
-
-STATE_FORMAT = 1
-
-
-# What a trainer state must hold to be resumed; anything else is a corrupt checkpoint.
-_STATE_INTS = ("step", "samples_seen", "tokens_seen")
-_STATE_MAPPINGS = ("model", "optimizer", "scheduler", "rng")
-_RNG_KEYS = ("python", "numpy", "torch")
-
-
-def check_trainer_state(state: Any) -> None:
-    """Raise :class:`CheckpointError` unless ``state`` has the shape :meth:`Trainer.state_dict`
-    writes (a decoded checkpoint can still be tampered with consistently)."""
-    if not isinstance(state, dict):
-        raise CheckpointError(f"the trainer state is a {type(state).__name__}, not a mapping")
-    if state.get("format") != STATE_FORMAT:
-        raise CheckpointError(
-            f"unsupported trainer state format {state.get('format')!r} "
-            f"(this version reads {STATE_FORMAT})"
-        )
-    for key in _STATE_INTS:
-        value = state.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise CheckpointError(f"the trainer state's {key!r} is not a count: {value!r:.40}")
-    for key in _STATE_MAPPINGS:
-        if not isinstance(state.get(key), dict):
-            raise CheckpointError(f"the trainer state has no {key!r} mapping")
-    missing = [key for key in _RNG_KEYS if key not in state["rng"]]
-    if missing:
-        raise CheckpointError(f"the trainer state's rng lacks {missing}")
-
-
-def state_mismatch(expected: dict[str, Any], saved: Any, shown: int = 4) -> str:
-    """Why ``saved`` (a state dict) cannot load into a model whose state dict is ``expected``:
-    each tensor whose shape differs, with both shapes, then missing and unexpected names (the
-    first few, then a count); ``""`` when it fits."""
-    if not isinstance(saved, dict):
-        return f"the saved model state is a {type(saved).__name__}"
-    problems: list[str] = []
-    shapes = [
-        f"{name}: checkpoint {list(saved[name].shape)} vs model {list(tensor.shape)}"
-        for name, tensor in expected.items()
-        if name in saved
-        and hasattr(saved[name], "shape")
-        and tuple(saved[name].shape) != tuple(tensor.shape)
-    ]
-    missing = [name for name in expected if name not in saved]
-    unexpected = [name for name in saved if name not in expected]
-    for label, items in (
-        ("shape mismatch", shapes),
-        ("missing in the checkpoint", missing),
-        ("not in this model", unexpected),
-    ):
-        if items:
-            more = f" and {len(items) - shown} more" if len(items) > shown else ""
-            problems.append(f"{label}: {'; '.join(items[:shown])}{more}")
-    if problems:
-        problems.append("was model.* changed?")
-    return "; ".join(problems)
-
-
-class Trainer:
+class Trainer(TrainerState, TrainStep):
     """Runs optimizer steps on ``model`` until ``config.run.max_steps``.
 
     ``data`` is a :class:`~speedtronic.data.DataSource` (resumable) or any iterable of
@@ -265,156 +191,6 @@ class Trainer:
             lambda name, exc: self.metrics.warn_once(f"plugin {name}", exc),
         )
 
-    # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue this run exactly (plugins add theirs via hooks).
-        Under FSDP ``model`` and ``optimizer`` hold this rank's shards (DTensors); for the
-        whole model on the CPU use :func:`speedtronic.fsdp.full_model_state`."""
-        plugins: dict[str, Any] = {}
-        self.plugin_manager.hook.on_checkpoint(trainer=self, state=plugins)
-        return {
-            "format": STATE_FORMAT,
-            "step": self.step,
-            "samples_seen": self.samples_seen,
-            "tokens_seen": self.tokens_seen,
-            "weights_replaced": self.weights_replaced,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
-            "rng": rng_state(),
-            # The data position is the global index of the next sample: the synthetic and byte
-            # text streams restart exactly there (DataSource.iterate(start_sample)).
-            "data": {
-                "start_sample": self.samples_seen,
-                "source": getattr(self.data, "description", type(self.data).__name__),
-            },
-            "config": self.config.to_dict(redact=True),
-            "eval": {"best_loss": self.best_eval[0], "best_step": self.best_eval[1]}
-            if self.best_eval is not None
-            else {},
-            "plugins": plugins,
-        }
-
-    def load_state_dict(self, state: dict[str, Any], shards: Path | None = None) -> None:
-        """Restore a state produced by :meth:`state_dict` (plugins restore theirs via hooks).
-        ``shards``: the ``dcp/`` folder of a sharded checkpoint whose model and optimizer
-        tensors are loaded from there (resharded to this run), not from ``state``.
-
-        Raises :class:`CheckpointError` when the state does not fit this model or optimizer.
-        """
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            found = state.get("format") if isinstance(state, dict) else type(state).__name__
-            raise CheckpointError(
-                f"unsupported trainer state format {found!r} (this version reads {STATE_FORMAT})"
-            )
-        if shards is not None:
-            load_sharded_weights(shards, self.model, self.optimizer, state["optimizer"])
-        else:
-            self._load_weights(state)
-        try:
-            self.scheduler.load_state_dict(state["scheduler"])
-        except (RuntimeError, KeyError, ValueError, TypeError) as exc:
-            raise CheckpointError(
-                f"the checkpoint's optimizer/scheduler state does not fit this "
-                f"run (was optimizer.* changed?): {exc}"
-            ) from exc
-        if state.get("scaler") and self.scaler.is_enabled():
-            self.scaler.load_state_dict(state["scaler"])
-        self.step = int(state["step"])
-        self.samples_seen = int(state["samples_seen"])
-        self.tokens_seen = int(state["tokens_seen"])
-        self.weights_replaced = int(state.get("weights_replaced", 0))
-        best = state.get("eval") or {}
-        if isinstance(best.get("best_loss"), float) and isinstance(best.get("best_step"), int):
-            self.best_eval = (best["best_loss"], best["best_step"])
-        rng = state["rng"]
-        per_rank = state.get("rng_per_rank")
-        if isinstance(per_rank, list) and len(per_rank) == self.parallel.world_size:
-            rng = per_rank[self.parallel.rank]
-        elif self.parallel.enabled:
-            log.warning(
-                "the checkpoint was written by a different number of ranks: every rank "
-                "continues from rank 0's random generators (data positions are exact)"
-            )
-        set_rng_state(rng)
-        # Applied again once the data iterator exists, see _restore_resumed_rng.
-        self._resumed_rng = rng
-        self.plugin_manager.hook.on_load_checkpoint(trainer=self, state=state.get("plugins") or {})
-
-    def _load_weights(self, state: dict[str, Any]) -> None:
-        """Model and optimizer from a full state (of a single-process, DDP or FSDP run)."""
-        mismatch = state_mismatch(self.model.state_dict(), state["model"])
-        if mismatch:
-            raise CheckpointError(f"the checkpoint does not fit this model ({mismatch})")
-        try:
-            load_full_model_state(self.model, state["model"])
-        except (RuntimeError, KeyError, ValueError) as exc:
-            raise CheckpointError(
-                f"the checkpoint does not fit this model (was model.* changed?): "
-                f"{str(exc).strip().splitlines()[0]}"
-            ) from exc
-        try:
-            load_optimizer_state(self.model, self.optimizer, state["optimizer"])
-        except (RuntimeError, KeyError, ValueError, TypeError) as exc:
-            raise CheckpointError(
-                f"the checkpoint's optimizer state does not fit this run (was optimizer.* "
-                f"changed?): {exc}"
-            ) from exc
-
-    def save_checkpoint(self) -> Path:
-        """Durably write a checkpoint of the current state now; returns its directory.
-
-        A failed save (disk full, I/O error) is retried once after
-        ``checkpoint.save_retry_pause`` seconds; a second failure raises
-        :class:`CheckpointError`, with the previous checkpoints intact and this trainer's state
-        still in memory (a caller may free space and call this again)."""
-        saved = self.checkpoints.save_now(self.step, self._checkpoint_state)
-        self._report_saved([saved])
-        return saved.path
-
-    def request_stop(self) -> None:
-        """Stop the run after the optimizer step in progress, with a checkpoint at that step,
-        as a stop signal does (safe to call from another thread or a hook)."""
-        self._stop.request()
-
-    def _checkpoint_state(self) -> dict[str, Any]:
-        state = self.state_dict()
-        if self.parallel.enabled:
-            # Every rank's generators, so a resume with the same world size continues each
-            # rank exactly (a collective: every rank builds the state; rank 0 writes it, or under
-            # FSDP every rank its own shards).
-            state["rng_per_rank"] = self.parallel.gather(state["rng"])
-        return state
-
-    def _report_saved(self, saved: list[SavedCheckpoint]) -> None:
-        for checkpoint in saved:
-            log.debug("checkpoint at step %d: %s", checkpoint.step, checkpoint.path)
-            self.emit("checkpoint", {"step": checkpoint.step, "path": str(checkpoint.path)})
-
-    def _resume(self) -> None:
-        """Load the newest usable checkpoint; no checkpoint at all means a fresh start."""
-        # A sharded checkpoint's weights stay on disk here: each rank loads its own shards.
-        loaded = self.checkpoints.resume_point(check=check_trainer_state, weights=False)
-        if loaded is None:
-            return
-        self.load_state_dict(loaded.state, shards=loaded.shards)
-        self.resumed_from = loaded.step
-        log.info(
-            "resumed from %s (step %d of %d)", loaded.path, loaded.step, self.config.run.max_steps
-        )
-        self.emit("resumed", {"step": loaded.step, "path": str(loaded.path)})
-
-    def _restore_resumed_rng(self) -> None:
-        """Re-apply a resumed RNG state after the data iterator was created.
-
-        Creating a DataLoader iterator draws its base seed from the global torch RNG. The
-        uninterrupted run made that draw at step 0, so the resumed run must not see it.
-        """
-        if self._resumed_rng is not None:
-            set_rng_state(self._resumed_rng)
-            self._resumed_rng = None
-
     # ------------------------------------------------------------------ loop
     def _batches(self) -> Iterator[Any]:
         if isinstance(self.data, DataSource):
@@ -426,92 +202,6 @@ class Trainer:
             log.warning("resuming a plain iterable: skipping consumed batches is the only way")
             return islice(batches, self.step * self.accumulation_steps, None)
         return batches
-
-    def _next_micro_batches(self, batches: Iterator[Any]) -> list[Any]:
-        try:
-            micro = [move_to(next(batches), self.device) for _ in range(self.accumulation_steps)]
-        except StopIteration:
-            raise DataError(
-                f"the training data ran out at step {self.step} of {self.config.run.max_steps}; "
-                "pass a re-iterable source (list, DataLoader, DataSource) or lower run.max_steps"
-            ) from None
-        if self.label_mode == "inputs":
-            return [labels_as_inputs(batch) for batch in micro]
-        return micro
-
-    def _forward_backward(self, batches: list[Any], model: Any) -> torch.Tensor:
-        """Forward and backward over one optimizer step's micro-batches; returns their mean
-        loss (fp32, unscaled, still on the device)."""
-        accumulating = len(batches) > 1
-        losses = []
-        self._step_aux = {}
-        for index, batch in enumerate(batches):
-            last = index == len(batches) - 1
-            # Under DDP only the last micro-batch's backward all-reduces the gradients.
-            with self.ddp.no_sync() if self.ddp is not None and not last else nullcontext():
-                with self.precision.autocast(self.device):
-                    output = call_model(model, batch)
-                    loss = loss_of(output)
-                for key, value in aux_metrics(output).items():
-                    # The step's mean of each model-returned scalar, kept on the device.
-                    scaled = value.to(self.device) / len(batches)
-                    previous = self._step_aux.get(key)
-                    self._step_aux[key] = scaled if previous is None else previous + scaled
-                del output
-                # Each micro-batch loss is a mean; dividing by their count makes the summed
-                # gradients those of the mean over the whole optimizer batch.
-                if self.fsdp is not None and accumulating:
-                    self.fsdp.before_backward(last)
-                self.scaler.scale(loss / len(batches) if accumulating else loss).backward()
-            self._drain_grads(last=index == len(batches) - 1)
-            losses.append(loss.detach())
-        if accumulating:
-            return torch.stack(losses).float().mean()
-        return losses[0].float()
-
-    def _step_loss(self, batches: list[Any]) -> torch.Tensor:
-        return self.compiled.run(
-            lambda model: self._forward_backward(batches, model),
-            reset=lambda: self.optimizer.zero_grad(set_to_none=True),
-        )
-
-    def _drain_grads(self, last: bool = True) -> None:
-        """A drain point of out-of-order backprop (``ooo_backprop``): after a micro-batch's
-        backward the queued weight-gradient products are run (``last=False``: only started, on
-        a CUDA side stream they may overlap the next forward); with ``last`` they are finished
-        and in ``.grad``. Whatever reads ``.grad`` (GradScaler unscale, clipping, the optimizer
-        step, a future DDP reduction) must come after a ``last`` drain."""
-        if self.ooo_backprop is None:
-            return
-        if last:
-            self.ooo_backprop.drain()
-        else:
-            self.ooo_backprop.flush()
-
-    def _optimizer_step(self, want_norm: bool = True) -> tuple[bool, torch.Tensor | None]:
-        """Clip and step. Returns (stepped, grad_norm); stepped is False after a GradScaler
-        overflow, which skips the update. Without clipping, the norm is only computed when
-        ``want_norm`` (it is logged at the log cadence only)."""
-        self._drain_grads()  # before unscale, clip and step read .grad
-        clip = self.config.optimizer.grad_clip
-        grad_norm = None
-        if clip is not None or want_norm:
-            self.scaler.unscale_(self.optimizer)
-            params = [p for g in self.optimizer.param_groups for p in g["params"]]
-            # Under FSDP each rank holds gradient shards: the norm is summed over ranks.
-            clip_fn = (
-                self.fsdp.clip_grad_norm
-                if self.fsdp is not None
-                else torch.nn.utils.clip_grad_norm_
-            )
-            grad_norm = clip_fn(params, clip if clip is not None else float("inf"))
-        if not self.scaler.is_enabled():
-            self.optimizer.step()
-            return True, grad_norm
-        scale_before = self.scaler.get_scale()
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        return self.scaler.get_scale() >= scale_before, grad_norm
 
     def fit(self) -> TrainResult:
         """Train until ``run.max_steps`` (a global target: a resumed run continues to it), or
@@ -755,42 +445,3 @@ class Trainer:
                 self.checkpoints.mark_best(self.step, result.loss)
             log.info("best eval loss so far: %.4f at step %d", result.loss, self.step)
         return result
-
-    def _count_nan_step(self, loss: torch.Tensor) -> None:
-        """Count optimizer steps in a row with a non-finite loss (on the device: no sync), and
-        stop the run once ``run.max_nan_steps`` failed in a row. The count is read every
-        half of that (one host sync, not one per step); every rank reads it at the same
-        step, as the mean of the ranks' counts, so all stop together."""
-        limit = self.config.run.max_nan_steps
-        if not limit:
-            return
-        finite = torch.isfinite(loss.detach())
-        self._nan_steps = torch.where(finite, 0, self._nan_steps.to(loss.device) + 1)
-        if self.step % max(1, limit // 2):
-            return
-        count = float(self.parallel.mean(self._nan_steps.float()).item())
-        if count >= limit:
-            raise SpeedtronicError(
-                f"the loss was NaN or infinite for the last {int(count)} optimizer steps (step "
-                f"{self.step}; run.max_nan_steps is {limit}): training has diverged or the "
-                "weights are not finite (lower optimizer.lr, add optimizer.grad_clip, try "
-                "precision.mode fp32, or check the data and init_from weights)"
-            )
-
-    def _skipped_step(self) -> None:
-        """Report a GradScaler overflow; the step, scheduler and plugins do not advance."""
-        self._consecutive_skips += 1
-        self.emit(
-            "optimizer_step_skipped",
-            {
-                "step": self.step,
-                "scale": self.scaler.get_scale(),
-                "consecutive": self._consecutive_skips,
-            },
-        )
-        if self._consecutive_skips >= MAX_CONSECUTIVE_SKIPS:
-            raise SpeedtronicError(
-                f"{self._consecutive_skips} optimizer steps in a row were skipped for inf/NaN "
-                f"gradients at step {self.step}; the loss is not finite (lower optimizer.lr, or "
-                "try precision.mode bf16/fp32)"
-            )

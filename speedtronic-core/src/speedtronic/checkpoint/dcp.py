@@ -33,7 +33,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -42,22 +42,24 @@ from torch import nn
 from speedtronic.checkpoint import statecodec
 from speedtronic.checkpoint.fileio import (
     atomic_write_text,
+    free_space,
     fsync_dir,
     fsync_file,
     sha256_chunks,
 )
-from speedtronic.checkpoint.manager import (
+from speedtronic.checkpoint.names import (
     FORMAT_VERSION,
     HASH_CHUNK_BYTES,
     MANIFEST,
     POINTER,
     STATE,
     TENSORS,
-    CheckpointManager,
     checkpoint_name,
-    free_space,
 )
 from speedtronic.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from speedtronic.checkpoint.manager import CheckpointManager
 
 __all__ = [
     "DCP_DIR",
@@ -325,7 +327,7 @@ def load_sharded_weights(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from speedtronic.trainer import state_mismatch
+    from speedtronic.state_checks import state_mismatch
 
     reader = _reader(directory)
     metadata = reader.read_metadata()

@@ -42,6 +42,7 @@ from safetensors.torch import save_file
 from speedtronic.checkpoint import statecodec
 from speedtronic.checkpoint.fileio import (
     atomic_write_text,
+    free_space,
     fsync_dir,
     fsync_file,
     probe_writable,
@@ -463,17 +464,6 @@ class CheckpointManager(CheckpointReader):
             self.directory / BEST_POINTER,
             json.dumps({"checkpoint": name, "step": step, "eval_loss": eval_loss}) + "\n",
         )
-
-
-def free_space(directory: Path) -> str:
-    """ "N MiB free" on the filesystem of ``directory`` (or its nearest existing parent)."""
-    probe = directory
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    try:
-        return f"{shutil.disk_usage(probe).free / 2**20:.0f} MiB free there"
-    except OSError:
-        return "free space unknown"
 
 
 def _describe(path: Path) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""Checkpoint directory names (``step_NNNNNNNN``), readable without torch: the CLI checks a
-run's output directory before it imports torch."""
+"""Checkpoint directory and file names (``step_NNNNNNNN``, ``latest.json``, ...), readable
+without torch: the CLI checks a run's output directory before it imports torch."""
 
 from __future__ import annotations
 
@@ -7,7 +7,14 @@ import re
 from pathlib import Path
 
 __all__ = [
+    "BEST_POINTER",
+    "FORMAT_VERSION",
+    "HASH_CHUNK_BYTES",
+    "MANIFEST",
     "NAME_PATTERN",
+    "POINTER",
+    "STATE",
+    "TENSORS",
     "checkpoint_name",
     "existing_checkpoints",
     "overwrite_refusal",
@@ -15,6 +22,16 @@ __all__ = [
 ]
 
 NAME_PATTERN = re.compile(r"^step_(\d{8,18})$")
+# The files of a checkpoint directory and the run's pointers to them.
+FORMAT_VERSION = 1
+POINTER = "latest.json"
+# Names the checkpoint with the lowest eval loss (checkpoint.keep_best); retention keeps it.
+BEST_POINTER = "best.json"
+TENSORS = "tensors.safetensors"
+STATE = "state.json"
+MANIFEST = "manifest.json"
+# Files are hashed in slices of this size, in parallel, so big checkpoints verify quickly.
+HASH_CHUNK_BYTES = 32 << 20
 
 
 def checkpoint_name(step: int) -> str:

@@ -17,7 +17,17 @@ from safetensors.torch import load_file
 
 from speedtronic.checkpoint import statecodec
 from speedtronic.checkpoint.fileio import read_regular, sha256_chunks
-from speedtronic.checkpoint.names import existing_checkpoints, step_of
+from speedtronic.checkpoint.names import (
+    BEST_POINTER,
+    FORMAT_VERSION,
+    HASH_CHUNK_BYTES,
+    MANIFEST,
+    POINTER,
+    STATE,
+    TENSORS,
+    existing_checkpoints,
+    step_of,
+)
 from speedtronic.errors import CheckpointError
 
 __all__ = [
@@ -34,17 +44,8 @@ __all__ = [
 
 log = logging.getLogger("speedtronic.checkpoint")
 
-FORMAT_VERSION = 1
-POINTER = "latest.json"
-# Names the checkpoint with the lowest eval loss (checkpoint.keep_best); retention keeps it.
-BEST_POINTER = "best.json"
-TENSORS = "tensors.safetensors"
-STATE = "state.json"
-MANIFEST = "manifest.json"
 # The files of a sharded (DCP) checkpoint's dcp/ folder that a manifest may list.
 SHARD_FILE = re.compile(r"^dcp/(\.metadata|__\d{1,6}_\d{1,6}\.distcp)$")
-# Files are hashed in slices of this size, in parallel, so big checkpoints verify quickly.
-HASH_CHUNK_BYTES = 32 << 20
 # A pointer is one short JSON line; anything larger is not one.
 MAX_POINTER_BYTES = 64 << 10
 # A manifest lists one sha256 per 32 MiB slice: 16 MiB of them describe terabytes.
