@@ -11,7 +11,8 @@ published, loudly, and the halt survives restarts) with the previous good global
 kept. The processed-delta ledger and the store housekeeping live in
 :mod:`speedtronic_diloco.ledger`, the lease that fences every publication in
 :mod:`speedtronic_diloco.lease`. A lost lease, or any error escaping a round, ends the outer
-thread with :attr:`MasterOuterLoop.failure` set, which stops the run loudly.
+thread with :attr:`MasterOuterLoop.failure` set, which stops the run loudly; the thread looks at
+its lease at every poll, so a lost lease stops it within ``poll_interval`` of being noticed.
 """
 
 from __future__ import annotations
@@ -403,6 +404,10 @@ class MasterOuterLoop(OuterStateKeeper):
         try:
             while not self._stop.is_set():
                 try:
+                    # A lease lost since the last poll (the renewal found another holder):
+                    # stop now, not at the next publication, which may be a round_timeout away.
+                    if self.lease is not None:
+                        self.lease.check()
                     self.publish_if_behind()
                     self.tick(abort=self._stop)
                 except LeaseError:  # another master took over: this one must stop
