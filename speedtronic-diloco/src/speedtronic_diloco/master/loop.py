@@ -29,7 +29,7 @@ from speedtronic.errors import SpeedtronicError
 from speedtronic_diloco.aggregation import AggregationRules, RoundDecision, RoundPolicy
 from speedtronic_diloco.fragments import FragmentLayout
 from speedtronic_diloco.ledger import Housekeeper, Verdict
-from speedtronic_diloco.master.intake import Fetched, Intake, Intaken
+from speedtronic_diloco.master.intake import Fetched, Intake, Intaken, Refused
 from speedtronic_diloco.master.keeper import OuterStateKeeper
 from speedtronic_diloco.master.publish import Publication, Publisher
 from speedtronic_diloco.master.report import Emit, Reporter
@@ -223,6 +223,8 @@ class MasterOuterLoop(OuterStateKeeper):
         )
         if outcome is not None:
             self._bytes_in += outcome.size
+        if isinstance(outcome, Refused):  # told now: its round may be round_timeout away
+            self.reporter.refused(outcome.info, outcome.why)
         return outcome
 
     def _seen(self, info: DeltaInfo, content: str) -> bool:
@@ -242,6 +244,8 @@ class MasterOuterLoop(OuterStateKeeper):
         reference = self.global_state
         if reference is not None:
             self.intake.prefetch(new, lambda info: self._fetch(info, reference), abort)
+            for node in self.intake.only_refused(new):  # not waited for: see Intake
+                self.policy.rejected(node)
         return new
 
     def _round(
@@ -404,9 +408,7 @@ class MasterOuterLoop(OuterStateKeeper):
         try:
             while not self._stop.is_set():
                 try:
-                    # A lease lost since the last poll (the renewal found another holder):
-                    # stop now, not at the next publication, which may be a round_timeout away.
-                    if self.lease is not None:
+                    if self.lease is not None:  # lost: stop now, not at the next publication
                         self.lease.check()
                     self.publish_if_behind()
                     self.tick(abort=self._stop)

@@ -91,9 +91,8 @@ class PermanentTransportError(TransportError):
 
 
 class MalformedLeaseError(PermanentTransportError):
-    """``lease.json`` cannot be used (not JSON, a field missing, a time that is no time);
-    ``epoch`` is its epoch when that much could be read, so that a master taking it over
-    still numbers its lease after it."""
+    """``lease.json`` cannot be used (not JSON, a field missing, a time that is no time); its
+    ``epoch`` when that could be read, so that a master taking it over numbers after it."""
 
     def __init__(self, message: str, epoch: int | None = None) -> None:
         super().__init__(message)
@@ -162,9 +161,8 @@ class Lease:
 
     @classmethod
     def loads(cls, raw: bytes, where: str = LEASE_FILE) -> Lease:
-        """Parse ``lease.json``; :class:`MalformedLeaseError` naming ``where`` (and the field,
-        for a time that is no time: see :func:`~speedtronic_diloco.timestamps.parse_timestamp`)
-        when malformed."""
+        """Parse ``lease.json``; MalformedLeaseError naming ``where`` (and the field of a time
+        that is no time: :func:`~speedtronic_diloco.timestamps.parse_timestamp`) if malformed."""
         try:
             data = json.loads(raw.decode("utf-8"))
             if not isinstance(data, dict):
@@ -214,12 +212,7 @@ class FragmentFile:
     outer_step: int
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "file": self.file,
-            "sha256": self.sha256,
-            "size": self.size,
-            "outer_step": self.outer_step,
-        }
+        return asdict(self)  # file, sha256, size, outer_step
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> FragmentFile:
@@ -374,18 +367,15 @@ class GlobalMetadata:
         ):
             raise PermanentTransportError(f"{GLOBAL_METADATA}: bad nodes summary")
         try:
-            epoch = data.get("lease_epoch")
+            epoch, loss = data.get("lease_epoch"), data.get("eval_loss")
             lease_epoch = None if epoch is None else int(epoch)
-            loss = data.get("eval_loss")
             eval_loss = None if loss is None else float(loss)
         except (TypeError, ValueError):
             raise PermanentTransportError(
                 f"{GLOBAL_METADATA}: bad lease_epoch or eval_loss"
             ) from None
         try:
-            published_at = parse_timestamp(
-                data.get("published_at"), GLOBAL_METADATA, "published_at"
-            )
+            when = parse_timestamp(data.get("published_at"), GLOBAL_METADATA, "published_at")
         except ValueError as exc:
             raise PermanentTransportError(str(exc)) from None
         return cls(
@@ -394,7 +384,7 @@ class GlobalMetadata:
             size=size,
             model_file=model_file,
             revision=revision,
-            published_at=published_at,
+            published_at=when,
             master=data.get("master"),
             deltas_included=int(data.get("deltas_included") or 0),
             processed=tuple(processed),
