@@ -83,6 +83,11 @@ FAULTS: dict[str, tuple[Forge, str, str]] = {
         "dtype",
         "is torch.int32, the model's is torch.float32",
     ),
+    "an extra tensor larger than the model": (
+        lambda w: {**w, "padding": torch.zeros(200_000)},
+        "too_large",
+        "bytes listed, more than this model's weights can take",
+    ),
     "a float buffer for an integer one": (
         lambda w: {**w, "counter": torch.tensor(0.5)},
         "dtype",
@@ -155,6 +160,8 @@ def test_a_fresh_worker_refuses_a_forged_global_and_keeps_its_weights(
     state = worker.model.state_dict()
     assert all(torch.equal(state[k], v) for k, v in before.items())
     assert worker.last_global_step == -1 and not any(e == "global_loaded" for e, _ in events)
+    if reason == "too_large":  # refused from the listed size: never downloaded
+        assert worker.bytes_received == 0
     # The next good global is installed as usual.
     forge(tmp_path, good, 2)
     worker.after_optimizer_step(worker.model, 2)
@@ -237,7 +244,10 @@ def global_config(tmp_path: Path) -> dict[str, Any]:
     )
 
 
-@pytest.mark.parametrize("fault", ["a NaN in one tensor", "float64 1e300 everywhere"])
+@pytest.mark.parametrize(
+    "fault",
+    ["a NaN in one tensor", "float64 1e300 everywhere", "an extra tensor larger than the model"],
+)
 def test_global_readers_refuse_a_forged_global_in_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], fault: str
 ) -> None:

@@ -4,8 +4,10 @@ weights themselves (a node installing it, a master adopting it, ``--global`` of 
 the signature.
 
 An unsigned store can be written by anyone with write access, with a matching
-``step_count.json``: size, sha256 and header prove nothing about the values. So, tensor by
-tensor against the reader's own weights (``reference``):
+``step_count.json``: size, sha256 and header prove nothing about the values. So, before
+downloading, the size the metadata lists is bounded by what the reader's own weights
+(``reference``) can take (:func:`size_limit`: 8 bytes per element, or more for a wider dtype,
+plus a header allowance), and after it, tensor by tensor against those weights:
 
 * **dtype**: a floating tensor must be in the model's dtype, or in bfloat16 when the file
   declares the ``bf16`` global codec (``codec: bf16`` in its header) and the model's tensor is
@@ -17,9 +19,10 @@ tensor against the reader's own weights (``reference``):
   the rule the master applies to each new global it computes
   (:func:`~speedtronic_diloco.aggregation.candidate_problem`).
 
-A failure is a :class:`GlobalRefusedError` whose ``reason`` is ``dtype``, ``non_finite`` or
-``update_too_large`` and whose message starts with the file's store path. Tensors absent from
-the reference, or in another shape, are left to the installer (it skips them).
+A failure is a :class:`GlobalRefusedError` whose ``reason`` is ``too_large``, ``dtype``,
+``non_finite`` or ``update_too_large`` and whose message starts with the file's store path.
+Tensors absent from the reference, or in another shape, are left to the installer (it skips
+them).
 """
 
 from __future__ import annotations
@@ -32,7 +35,21 @@ import torch
 from speedtronic.errors import TransportError
 from speedtronic_diloco.tensors import TensorDict, is_floating
 
-__all__ = ["GlobalRefusedError", "check_global_dtypes", "check_update_size", "checked_global"]
+__all__ = [
+    "HEADER_ALLOWANCE",
+    "HEADER_PER_TENSOR",
+    "GlobalRefusedError",
+    "check_global_dtypes",
+    "check_global_size",
+    "check_update_size",
+    "checked_global",
+    "size_limit",
+]
+
+#: Bytes a global file may take beyond its tensors' payload: the safetensors header (a tensor
+#: table entry per tensor, the metadata, the signature).
+HEADER_ALLOWANCE = 64 << 10
+HEADER_PER_TENSOR = 512
 
 #: Floating dtypes the ``bf16`` global codec may store a model's tensor in.
 _BF16_SOURCES = (torch.float32, torch.float64)
@@ -44,6 +61,26 @@ class GlobalRefusedError(TransportError):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+def size_limit(reference: Mapping[str, torch.Tensor]) -> int:
+    """The most bytes a global file holding ``reference``'s tensors may take: each at 8 bytes
+    per element (or its own element size when larger: a master may keep float32 weights for a
+    bf16 model), plus the header allowance."""
+    payload = sum(t.numel() * max(t.element_size(), 8) for t in reference.values())
+    return payload + HEADER_ALLOWANCE + HEADER_PER_TENSOR * len(reference)
+
+
+def check_global_size(listed: int, reference: Mapping[str, torch.Tensor], where: str) -> None:
+    """Before a download: GlobalRefusedError (``too_large``) when the ``listed`` size of the
+    global file ``where`` is more than ``reference``'s tensors can take (:func:`size_limit`):
+    a forged file is never downloaded to disk nor loaded into memory."""
+    limit = size_limit(reference)
+    if listed > limit:
+        raise GlobalRefusedError(
+            "too_large",
+            f"{where}: {listed} bytes listed, more than this model's weights can take ({limit})",
+        )
 
 
 def _matching(

@@ -29,7 +29,11 @@ from speedtronic_diloco.fragment_files import (
     check_listed_size,
 )
 from speedtronic_diloco.fragments import FragmentLayout
-from speedtronic_diloco.global_check import GlobalRefusedError, checked_global
+from speedtronic_diloco.global_check import (
+    GlobalRefusedError,
+    check_global_size,
+    checked_global,
+)
 from speedtronic_diloco.signing import SignatureError, resolve_key, verify_file
 from speedtronic_diloco.tensors import TensorDict, cpu_state_dict, load_tensors
 from speedtronic_diloco.transports import GlobalMetadata, Transport, open_transport
@@ -60,6 +64,7 @@ def _read(
     reference = cpu_state_dict(model.state_dict())
     if metadata.fragment_files:
         return _read_fragment_files(transport, metadata, reference, key, section.max_update_ratio)
+    check_global_size(metadata.size, reference, metadata.model_file)
     with tempfile.TemporaryDirectory(prefix="speedtronic-global-") as scratch:
         path = transport.download_global(metadata, Path(scratch) / "global.safetensors")
         if key is not None:

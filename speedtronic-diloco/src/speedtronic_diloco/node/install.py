@@ -24,7 +24,11 @@ from speedtronic_diloco.fragment_files import (
     check_listed_size,
 )
 from speedtronic_diloco.fragments import FragmentLayout, global_fragment_info
-from speedtronic_diloco.global_check import GlobalRefusedError, checked_global
+from speedtronic_diloco.global_check import (
+    GlobalRefusedError,
+    check_global_size,
+    checked_global,
+)
 from speedtronic_diloco.node.boundary import OwnProgress
 from speedtronic_diloco.node.context import NodeContext
 from speedtronic_diloco.signing import SignatureError, read_header, verify_file
@@ -161,6 +165,9 @@ class Installer:
         ctx = self.ctx
         path = self.globals.path_for(metadata)
         try:
+            with ctx.lock:
+                reference = ctx.state.baseline
+            check_global_size(metadata.size, reference, metadata.model_file)
             tensors = self.globals.get(
                 metadata,
                 self._downloader(
