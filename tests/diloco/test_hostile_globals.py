@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -286,3 +290,35 @@ def test_global_readers_still_read_a_good_global(tmp_path: Path) -> None:
         read_global_state(
             SpeedtronicConfig.from_dict(global_config(tmp_path / "empty")).distributed, model
         )
+
+
+@pytest.mark.slow
+def test_a_real_worker_trains_on_its_own_weights_past_a_forged_global(tmp_path: Path) -> None:
+    """H1 as it was found: a fresh ``speedtronic train`` worker on an unsigned store holding a
+    NaN global with matching metadata used to install it, train on NaN and exit 0."""
+    data = tiny_run(
+        tmp_path,
+        run={"max_steps": 8, "threads": 1},
+        checkpoint={"save_final": False},
+        logging={"json_file": str(tmp_path / "metrics.jsonl"), "log_every": 1},
+        distributed={"role": "worker", "node_id": "w1", "poll_interval": 0.0, "max_retries": 0},
+    )
+    config = SpeedtronicConfig.from_dict(data)
+    model = build_model_from_hook(config.model.name, **config.model.params)
+    shared(tmp_path)
+    name = forge(tmp_path, one_nan(cpu_state_dict(model.state_dict())), 1)
+    path = tmp_path / "worker.json"
+    path.write_text(json.dumps(data))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("SPEEDTRONIC_LOAD_PLUGINS", None)
+    command = [sys.executable, "-m", "speedtronic", "train", "--config", str(path)]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert output.count("refusing global outer step 1") == 1, output[-3000:]
+    assert name in output and "Traceback" not in output
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if r.get("event") == "step" and "loss" in r]
+    assert len(losses) == 8 and all(math.isfinite(loss) for loss in losses), losses
+    refused = [r for r in records if r.get("event") == "global_refused"]
+    assert len(refused) == 1 and refused[0]["reason"] == "non_finite"
