@@ -310,6 +310,18 @@ def test_lease_and_metadata_times_are_read_through_parse_timestamp(value: Any) -
         GlobalMetadata.from_json(metadata)
 
 
+@pytest.mark.parametrize(
+    "raw",
+    [b'{"holder": "g", "epoch": 1e400, "expires_at": 5}', b"[1, 2]", b"\xff\xfe", b'{"epoch": 3}'],
+)
+def test_a_lease_that_is_no_lease_names_the_file(raw: bytes) -> None:
+    with pytest.raises(
+        MalformedLeaseError, match=r"^global/lease\.json: malformed lease \("
+    ) as bad:
+        Lease.loads(raw)
+    assert bad.value.epoch is None
+
+
 def test_parse_timestamp() -> None:
     assert parse_timestamp(None, "f", "t") is None and parse_timestamp(5, "f", "t") == 5.0
     for bad in (1e18, -1.0, float("nan"), float("inf"), "12", True, 10**400):

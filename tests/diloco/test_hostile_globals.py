@@ -92,6 +92,11 @@ FAULTS: dict[str, tuple[Forge, str, str]] = {
         "too_large",
         "bytes listed, more than this model's weights can take",
     ),
+    "complex64 weights": (
+        lambda w: floating(w, lambda v: v.to(torch.complex64)),
+        "dtype",
+        "is torch.complex64, the model's is torch.float32",
+    ),
     "a float buffer for an integer one": (
         lambda w: {**w, "counter": torch.tensor(0.5)},
         "dtype",
@@ -209,6 +214,22 @@ def test_bf16_is_accepted_where_the_file_declares_the_bf16_codec(tmp_path: Path)
             max_update_ratio=10.0,
         )
     assert refused.value.reason == "dtype"
+
+
+def test_a_nan_under_the_declared_bf16_codec_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = shared(tmp_path)
+    poisoned = floating(
+        one_nan(cpu_state_dict(make_net(seed=1).state_dict())), torch.Tensor.bfloat16
+    )
+    name = forge(tmp_path, poisoned, 1, {"codec": "bf16"})
+    worker, events = worker_on(store, tmp_path)
+    worker.start()
+    (refused,) = refusals(events)
+    assert refused["reason"] == "non_finite" and refused["message"].startswith(name)
+    assert worker.last_global_step == -1
+    worker.stop()
 
 
 def test_a_master_does_not_adopt_a_forged_global(
