@@ -204,6 +204,7 @@ def _check_signature(path: Path, where: str, index: int, outer_step: int, key: b
     try:
         signed = verify_file(path, key)
     except SignatureError as exc:
-        raise FragmentFileError(f"{where}: {exc.reason}: {exc}") from None
+        text = str(exc).replace(str(path), where)  # the store path, not the local copy
+        raise FragmentFileError(f"{text} ({exc.reason})") from None
     if signed.get(FRAGMENT_META) != str(index) or signed.get("outer_step") != str(outer_step):
         raise FragmentFileError(f"{where}: signed for another fragment or outer step")

@@ -71,8 +71,9 @@ def _read(
             try:
                 signed = verify_file(path, key)
             except SignatureError as exc:
+                text = str(exc).replace(str(path), metadata.model_file)
                 raise TransportError(
-                    f"the global of outer step {metadata.outer_step}: {exc}"
+                    f"the global of outer step {metadata.outer_step}: {text}"
                 ) from None
             if signed.get("kind") != "global" or signed.get("outer_step") != str(
                 metadata.outer_step

@@ -281,8 +281,8 @@ class Installer:
         except (SignatureError, FragmentFileError, GlobalRefusedError) as exc:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
-            if isinstance(exc, SignatureError):
-                exc = FragmentFileError(f"{where}: {exc}")
+            if isinstance(exc, SignatureError):  # its message names the local cache file
+                exc = FragmentFileError(str(exc).replace(str(path), where))
             return self._refuse(view, exc, metadata.outer_step)
 
     def _fragment_cache(self, j: int) -> GlobalCache:
