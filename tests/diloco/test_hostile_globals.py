@@ -288,7 +288,8 @@ def test_global_readers_refuse_a_forged_global_in_one_line(
     path = tmp_path / "run.json"
     path.write_text(json.dumps(data))
     base = ["--config", str(path), "--global"]
-    for command in (["eval", *base], ["export", *base, "--out", str(tmp_path / "hf")]):
+    generate = ["generate", *base, "--prompt", "hi", "--max-new-tokens", "2"]
+    for command in (["eval", *base], ["export", *base, "--out", str(tmp_path / "hf")], generate):
         assert cli.main(command) != 0, command
         err = capsys.readouterr().err
         (line,) = [x for x in err.splitlines() if x.startswith("error:")]
