@@ -44,6 +44,7 @@ __all__ = [
     "check_update_size",
     "checked_global",
     "size_limit",
+    "weights_norm",
 ]
 
 #: Bytes a global file may take beyond its tensors' payload: the safetensors header (a tensor
@@ -122,26 +123,34 @@ def check_global_dtypes(
     return out
 
 
-def check_update_size(
-    tensors: Mapping[str, torch.Tensor],
-    reference: Mapping[str, torch.Tensor],
-    where: str,
-    max_update_ratio: float,
-) -> None:
-    """GlobalRefusedError (``update_too_large``) when ``tensors`` (already in the reference's
-    dtypes) move the floating tensors of ``reference`` they hold by more than
-    ``max_update_ratio`` x the norm of all of the reference's floating tensors."""
-    change = 0.0
-    for _, tensor, mine in _matching(tensors, reference):
-        if is_floating(mine):
-            wide = torch.promote_types(mine.dtype, torch.float64)
-            change += float(torch.linalg.vector_norm(tensor.to(wide) - mine.to(wide))) ** 2
+def weights_norm(reference: Mapping[str, torch.Tensor]) -> float:
+    """The L2 norm of ``reference``'s floating tensors, in float64 (or complex128)."""
     size = 0.0
     for mine in reference.values():
         if is_floating(mine):
             wide = torch.promote_types(mine.dtype, torch.float64)
             size += float(torch.linalg.vector_norm(mine.to(wide))) ** 2
-    change, size = math.sqrt(change), max(math.sqrt(size), 1e-12)
+    return math.sqrt(size)
+
+
+def check_update_size(
+    tensors: Mapping[str, torch.Tensor],
+    reference: Mapping[str, torch.Tensor],
+    where: str,
+    max_update_ratio: float,
+    norm: float | None = None,
+) -> None:
+    """GlobalRefusedError (``update_too_large``) when ``tensors`` (already in the reference's
+    dtypes) move the floating tensors of ``reference`` they hold by more than
+    ``max_update_ratio`` x the norm of all of the reference's floating tensors (``norm``, when
+    the caller knows it: :func:`weights_norm`)."""
+    change = 0.0
+    for _, tensor, mine in _matching(tensors, reference):
+        if is_floating(mine):
+            wide = torch.promote_types(mine.dtype, torch.float64)
+            change += float(torch.linalg.vector_norm(tensor.to(wide) - mine.to(wide))) ** 2
+    size = weights_norm(reference) if norm is None else norm
+    change, size = math.sqrt(change), max(size, 1e-12)
     if not math.isfinite(change) or change > max_update_ratio * size:
         raise GlobalRefusedError(
             "update_too_large",
@@ -157,8 +166,9 @@ def checked_global(
     *,
     codec: str | None,
     max_update_ratio: float,
+    norm: float | None = None,
 ) -> TensorDict:
     """:func:`check_global_dtypes` then :func:`check_update_size`: the tensors to install."""
     converted = check_global_dtypes(tensors, reference, where, codec)
-    check_update_size(converted, reference, where, max_update_ratio)
+    check_update_size(converted, reference, where, max_update_ratio, norm)
     return converted

@@ -33,6 +33,7 @@ from speedtronic_diloco.global_check import (
     GlobalRefusedError,
     check_global_size,
     checked_global,
+    weights_norm,
 )
 from speedtronic_diloco.signing import SignatureError, resolve_key, verify_file
 from speedtronic_diloco.tensors import TensorDict, cpu_state_dict, load_tensors
@@ -102,6 +103,7 @@ def _read_fragment_files(
     ``local``, the model's weights), put together."""
     layout = FragmentLayout.build(local, len(metadata.fragment_files))
     check_fragment_metadata(metadata, layout)
+    norm = weights_norm(local)  # each file's move is measured against the whole model's
     tensors: TensorDict = {}
     with tempfile.TemporaryDirectory(prefix="speedtronic-global-") as scratch:
         for j in range(layout.count):
@@ -112,9 +114,13 @@ def _read_fragment_files(
             check_fragment_file(
                 path, view.model_file, j, view.outer_step, layout, part, header, local, key
             )
-            codec = header.get("codec")
-            where = view.model_file
-            tensors.update(
-                checked_global(part, local, where, codec=codec, max_update_ratio=max_update_ratio)
+            checked = checked_global(
+                part,
+                local,
+                view.model_file,
+                codec=header.get("codec"),
+                max_update_ratio=max_update_ratio,
+                norm=norm,
             )
+            tensors.update(checked)
     return tensors

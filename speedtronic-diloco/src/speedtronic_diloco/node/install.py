@@ -28,6 +28,7 @@ from speedtronic_diloco.global_check import (
     GlobalRefusedError,
     check_global_size,
     checked_global,
+    weights_norm,
 )
 from speedtronic_diloco.node.boundary import OwnProgress
 from speedtronic_diloco.node.context import NodeContext
@@ -57,6 +58,7 @@ class Installer:
         self._received: dict[int, int] = {}  # outer step -> bytes of its downloaded global
         self._fragment_caches: dict[int, GlobalCache] = {}  # fragment -> its files' cache
         self._refused: dict[tuple[str, str], None] = {}  # (file, sha256) refused: not again
+        self._norm: tuple[TensorDict, float] | None = None  # (baseline, its norm)
 
     # ----------------------------------------------------------------- install
     def install_ready(self, model: nn.Module, due: tuple[int, ...]) -> bool:
@@ -201,12 +203,16 @@ class Installer:
         node last installed or started from)."""
         with self.ctx.lock:
             reference = self.ctx.state.baseline
+        known = self._norm  # the baseline is replaced, never changed in place: one norm each
+        if known is None or known[0] is not reference:
+            known = self._norm = (reference, weights_norm(reference))
         return checked_global(
             tensors,
             reference,
             where,
             codec=codec if isinstance(codec, str) else None,
             max_update_ratio=self.ctx.config.max_update_ratio,
+            norm=known[1],
         )
 
     def _downloader(
