@@ -67,5 +67,6 @@ def test_an_unsigned_global_is_refused_when_a_key_is_set(tmp_path: Path) -> None
     train_from_config(master_config(tmp_path), console=False)  # publishes unsigned globals
     keyed = SpeedtronicConfig.from_dict(master_config(tmp_path, signing_key="k" * 32))
     model = build_model_from_hook(keyed.model.name, **keyed.model.params)
-    with pytest.raises(TransportError, match="not signed"):
+    with pytest.raises(TransportError, match="not signed") as refused:
         read_global_state(keyed.distributed, model)
+    assert "global/v" in str(refused.value) and "speedtronic-global-" not in str(refused.value)

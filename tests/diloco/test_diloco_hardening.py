@@ -30,14 +30,19 @@ from speedtronic_diloco.codecs import (
     encode_delta,
 )
 from speedtronic_diloco.config import DistributedConfig
-from speedtronic_diloco.lease import LeaseHeldError, LeaseKeeper, describe_lease
+from speedtronic_diloco.lease import LeaseHeldError, LeaseKeeper
 from speedtronic_diloco.master.loop import MasterOuterLoop
 from speedtronic_diloco.retry import RetryPolicy
 from speedtronic_diloco.status import collect_status, summary_lines
 from speedtronic_diloco.tensors import cpu_state_dict, save_tensors
 from speedtronic_diloco.timestamps import format_utc, parse_timestamp
 from speedtronic_diloco.transports import GLOBAL_METADATA, GlobalMetadata, delta_path
-from speedtronic_diloco.transports.base import LEASE_FILE
+from speedtronic_diloco.transports.base import (
+    LEASE_FILE,
+    Lease,
+    MalformedLeaseError,
+    PermanentTransportError,
+)
 from speedtronic_diloco.transports.shared_dir import SharedDirectoryTransport
 
 NO_WAIT = RetryPolicy(retries=0, backoff=0.0)
@@ -265,9 +270,11 @@ def test_absurd_lease_times_name_the_file_and_field(
         acquire_within(mine)
     message = str(refused.value)
     assert f"{LEASE_FILE}: {field}" in message and "not a time" in message
-    assert "Errno" not in message
-    described = describe_lease(store.read_lease())  # describing it never raises
-    assert ("not a time" in described) == (field == "expires_at")
+    assert "Errno" not in message and "--take-over" in message
+    # Lease.loads itself refuses it (parse_timestamp), keeping the epoch it could read
+    with pytest.raises(MalformedLeaseError, match=f"{LEASE_FILE}: {field} .* not a time") as bad:
+        store.read_lease()
+    assert bad.value.epoch == 7
 
 
 @pytest.mark.parametrize("value", [1e18, -1e18])
@@ -280,6 +287,40 @@ def test_status_names_an_absurd_published_at(tmp_path: Path, value: float) -> No
     assert status.published_at is None
     assert any("step_count.json: published_at" in p for p in status.problems)
     assert any(line.startswith("published") for line in summary_lines(status))
+
+
+@pytest.mark.parametrize("value", [1e18, -1.0, "12", True, None])
+def test_lease_and_metadata_times_are_read_through_parse_timestamp(value: Any) -> None:
+    """``Lease.loads`` and ``GlobalMetadata`` parse their times with the one helper: a time
+    that is no time is one error naming the file and the field."""
+    lease = {"format": 1, "holder": "ghost", "epoch": 3, "expires_at": value, "renewed_at": 1.0}
+    with pytest.raises(MalformedLeaseError, match=r"^global/lease\.json: expires_at ") as bad:
+        Lease.loads(json.dumps(lease).encode())
+    assert bad.value.epoch == 3
+    lease = {**lease, "expires_at": 5.0, "renewed_at": value}
+    if value is None:
+        assert Lease.loads(json.dumps(lease).encode()).renewed_at is None
+    else:
+        with pytest.raises(MalformedLeaseError, match=r"^global/lease\.json: renewed_at "):
+            Lease.loads(json.dumps(lease).encode())
+    metadata = {"outer_step": 1, "sha256": "0" * 64, "size": 1, "published_at": value}
+    if value is None:
+        assert GlobalMetadata.from_json(metadata).published_at is None
+        return
+    with pytest.raises(PermanentTransportError, match=r"^global/step_count\.json: published_at "):
+        GlobalMetadata.from_json(metadata)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b'{"holder": "g", "epoch": 1e400, "expires_at": 5}', b"[1, 2]", b"\xff\xfe", b'{"epoch": 3}'],
+)
+def test_a_lease_that_is_no_lease_names_the_file(raw: bytes) -> None:
+    with pytest.raises(
+        MalformedLeaseError, match=r"^global/lease\.json: malformed lease \("
+    ) as bad:
+        Lease.loads(raw)
+    assert bad.value.epoch is None
 
 
 def test_parse_timestamp() -> None:

@@ -8,13 +8,15 @@ import time
 from pathlib import Path
 
 import pytest
-from diloco_fakes import MemoryTransport, wait_for
+from diloco_fakes import MemoryTransport, make_master, make_net, wait_for
 from hub_emulator import HubEmulator
 from hub_fixtures import hub_fixture, transport  # noqa: F401
 
 from speedtronic_diloco import lease as lease_module
 from speedtronic_diloco.lease import LeaseHeldError, LeaseKeeper, describe_lease
+from speedtronic_diloco.master.loop import OuterLoopStopped
 from speedtronic_diloco.retry import RetryPolicy
+from speedtronic_diloco.tensors import cpu_state_dict
 from speedtronic_diloco.transports import Transport
 from speedtronic_diloco.transports.base import Lease, LeaseLostError
 from speedtronic_diloco.transports.shared_dir import SharedDirectoryTransport
@@ -30,6 +32,10 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Transport:
         made = transport(request.getfixturevalue("hub"))
     made.create_store()
     return made
+
+
+def weights() -> dict:
+    return cpu_state_dict(make_net().state_dict())
 
 
 def keeper(store: Transport, node: str, ttl: float = 60.0, **kwargs: object) -> LeaseKeeper:
@@ -100,6 +106,30 @@ def test_renewal_extends_and_a_take_over_is_noticed_as_a_lost_lease(store: Trans
     assert not mine.renew()
     with pytest.raises(LeaseLostError, match="'m2'"):
         mine.check()
+
+
+def test_a_master_that_lost_its_lease_stops_at_its_next_poll(tmp_path: Path) -> None:
+    """Issue 34, L6: noticed by the renewal, the loss ends the outer thread at its next poll,
+    although no round is due for a day (it used to wait for its next publication)."""
+    store = SharedDirectoryTransport(tmp_path / "store")
+    store.create_store()
+    mine = keeper(store, "m", ttl=0.6)
+    mine.acquire()
+    mine.start()
+    loop = make_master(
+        store, tmp_path, start=weights(), rules={"round_timeout": 86400.0}, lease=mine
+    )
+    loop.start(0.05)
+    try:
+        wait_for(lambda: store.read_global_metadata() is not None, what="the first publication")
+        store.write_lease(Lease("m2", 9, time.time() + 30), store.read_lease())  # taken over
+        wait_for(lambda: not loop.running, what="the outer thread to stop")
+        assert isinstance(loop.failure, LeaseLostError) and "'m2'" in str(loop.failure)
+        with pytest.raises(OuterLoopStopped, match="outer loop stopped"):
+            loop.raise_if_failed()
+    finally:
+        loop.stop()
+        mine.release()
 
 
 def test_release_lets_a_successor_start_without_take_over(store: Transport) -> None:

@@ -236,3 +236,33 @@ def test_sigkilled_master_is_taken_over_without_double_aggregation(
 def store_lease_expiry(metadata: GlobalMetadata) -> float:
     """A lower bound of when the SIGKILLed master's lease expired: its last publication."""
     return float(metadata.published_at or 0.0)
+
+
+def test_a_master_whose_lease_is_taken_stops_without_waiting_for_a_round(
+    tmp_path: Path,
+) -> None:
+    """Issue 34, L6: a real master waiting for a quorum that never comes (``min_deltas`` 2,
+    ``round_timeout`` an hour) loses its lease to another holder; it stops with an error at
+    its next poll instead of training on until its next publication."""
+    store = Store("shared_dir", tmp_path, None)
+    config = config_file(tmp_path, store)
+    quorum = ("--set", "distributed.min_deltas=2", "--set", "distributed.round_timeout=3600")
+    master = Master(tmp_path, config, "m1", *quorum)
+    try:
+        wait_until(lambda: store.metadata() is not None, "the bootstrap publication", master)
+        taken = Lease("m2", 9, time.time() + 600, time.time())
+        path = Path(store.repo_id) / LEASE_FILE
+        path.with_suffix(".tmp").write_bytes(taken.dumps())
+        os.replace(path.with_suffix(".tmp"), path)  # another master holds it now
+        deadline = time.monotonic() + WAIT
+        while master.process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert master.process.poll() is not None, "still training:\n" + master.tail()
+        output = master.tail()
+        assert master.process.returncode != 0, output
+        assert "master lease lost" in output and "'m2'" in output, output
+        assert "Traceback" not in output
+        assert not master.events("outer_step")  # it never published over its successor
+        assert store.lease().holder == "m2"
+    finally:
+        master.stop()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -22,6 +23,7 @@ from hub_emulator import HubEmulator
 from hub_fixtures import REPO, hub_fixture, transport  # noqa: F401
 from torch import nn
 
+from speedtronic.errors import TransportError
 from speedtronic_diloco.config import DistributedConfig
 from speedtronic_diloco.coordinator import DumbDiLoCoCoordinator
 from speedtronic_diloco.fragment_files import fragment_header
@@ -333,6 +335,21 @@ def other_fragment(tmp_path: Path) -> tuple[str, bytes]:
     return "global/fragment1-other.safetensors", fragment_bytes(tmp_path, tensors, 2, 5)
 
 
+def float64_overflow(tmp_path: Path) -> tuple[str, bytes]:
+    """Finite in float64, infinite in the model's float32 (issue 34, H2)."""
+    tensors = {
+        n: torch.full(v.shape, 1e300, dtype=torch.float64)
+        for n, v in LAYOUT.select(weights(), [1]).items()
+    }
+    return "global/fragment1-f64.safetensors", fragment_bytes(tmp_path, tensors, 1, 5)
+
+
+def huge_but_finite(tmp_path: Path) -> tuple[str, bytes]:
+    """Finite float32 everywhere, but a jump no outer step could make."""
+    tensors = {n: torch.full_like(v, 1e30) for n, v in LAYOUT.select(weights(), [1]).items()}
+    return "global/fragment1-huge-values.safetensors", fragment_bytes(tmp_path, tensors, 1, 5)
+
+
 @pytest.mark.parametrize(
     ("forge", "why"),
     [
@@ -340,6 +357,8 @@ def other_fragment(tmp_path: Path) -> tuple[str, bytes]:
         (oversized, "more than fragment 1 can take"),
         (non_finite, "non-finite values"),
         (other_fragment, "header field fragment is '2'"),
+        (float64_overflow, "is torch.float64, the model's is torch.float32"),
+        (huge_but_finite, "more than max_update_ratio 10 x their norm"),
     ],
 )
 def test_a_hostile_fragment_file_is_refused_with_its_name(
@@ -361,6 +380,10 @@ def test_a_hostile_fragment_file_is_refused_with_its_name(
     assert len([e for e, _ in events if e == "global_refused"]) == len(refused)
     assert worker.bytes_received == received
     worker.stop()
+    # `--global` (eval, export, generate) refuses it just as well
+    section = dist_config(repo_id=str(tmp_path / "store"), fragments=K, inner_steps=100)
+    with pytest.raises(TransportError, match=re.escape(why)):
+        read_global_state(section, make_stack())
 
 
 def test_a_tampered_fragment_file_is_refused_with_its_name(
@@ -401,7 +424,8 @@ def test_signed_fragment_files_verify_and_unsigned_ones_are_refused(
     with caplog.at_level(logging.ERROR, "speedtronic.diloco"):
         step(worker, 2)
     refused = [p for e, p in events if e == "global_refused"]
-    assert refused and file in refused[-1]["message"] and "unsigned" in refused[-1]["message"]
+    message = refused[-1]["message"]
+    assert message == f"{file}: not signed (unsigned)"  # the store path, not the cache's copy
     worker.stop()
 
 

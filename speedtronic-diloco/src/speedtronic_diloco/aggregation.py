@@ -187,6 +187,13 @@ def lower_median(values: Sequence[float]) -> float:
     return ordered[(len(ordered) - 1) // 2]
 
 
+def _shown(text: Any, limit: int = 100) -> str:
+    """``text`` (a name or value read from a delta file) short enough to quote in a reason:
+    whoever wrote the file chose its length."""
+    text = str(text)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float64)
 
@@ -232,7 +239,7 @@ def inspect_delta(
                 raise DeltaRejected(
                     "keys",
                     f"delta keys differ (missing {list(problem.missing)}, extra "
-                    f"{list(problem.extra)})",
+                    f"{[_shown(n) for n in problem.extra]})",
                 )
             if problem is not None:
                 raise DeltaRejected(
@@ -265,7 +272,8 @@ def inspect_delta(
     ):
         raise DeltaRejected(
             "name_mismatch",
-            f"stored as {info.node_id}@{info.local_step} but its metadata says {node}@{step}",
+            f"stored as {info.node_id}@{info.local_step} but its metadata says "
+            f"{_shown(node)}@{_shown(step)}",
         )
     if key is not None and (node is None or step is None):
         raise DeltaRejected("name_mismatch", "signed delta without node_id/local_step metadata")
@@ -273,7 +281,7 @@ def inspect_delta(
     try:
         base_step = int(base) if base is not None and int(base) >= 0 else None
     except ValueError:
-        raise DeltaRejected("unreadable", f"bad base_outer_step {base!r}") from None
+        raise DeltaRejected("unreadable", f"bad base_outer_step {_shown(repr(base))}") from None
     norm = math.sqrt(total)
     if not math.isfinite(norm):
         raise DeltaRejected("non_finite", "its norm overflows float64", norm)

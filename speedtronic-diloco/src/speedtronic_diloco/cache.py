@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from speedtronic.checkpoint.fileio import sha256_file
+from speedtronic_diloco.global_check import GlobalRefusedError
 from speedtronic_diloco.tensors import TensorDict, TensorFileError, load_tensors
 from speedtronic_diloco.transports.base import GlobalMetadata
 
@@ -69,9 +70,9 @@ class GlobalCache:
 
     def get(self, metadata: GlobalMetadata, download: Callable[[Path], bool]) -> TensorDict | None:
         """The tensors ``metadata`` describes: from a verified cache entry, else through
-        ``download(dest)`` (True when it wrote ``dest``). None when the download failed, the
-        file is unusable or its header contradicts the metadata's outer step (then nothing is
-        left cached for this version)."""
+        ``download(dest)`` (True when it wrote ``dest``). None when the download failed or its
+        header contradicts the metadata's outer step; GlobalRefusedError (``unreadable``) when
+        the file is no safetensors file (then nothing is left cached for this version)."""
         claim = (metadata.outer_step, metadata.sha256)
         if claim in self._refused:
             return None
@@ -98,10 +99,10 @@ class GlobalCache:
         try:
             tensors, header = load_tensors(path)
         except TensorFileError as exc:
-            log.warning("global weights unusable: %s", exc)
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
-            return None
+            message = str(exc).replace(str(path), metadata.model_file)  # no local paths
+            raise GlobalRefusedError("unreadable", message) from None
         stated = header.get("outer_step")
         if stated is not None and stated.strip() != str(metadata.outer_step):
             self._refuse(metadata, stated)

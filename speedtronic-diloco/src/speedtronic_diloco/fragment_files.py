@@ -36,6 +36,7 @@ from speedtronic_diloco.fragments import (
     FragmentLayout,
     global_fragment_info,
 )
+from speedtronic_diloco.global_check import size_limit as global_size_limit
 from speedtronic_diloco.signing import SignatureError, verify_file
 from speedtronic_diloco.tensors import TensorDict, is_floating, mismatch
 from speedtronic_diloco.transports.base import GlobalMetadata
@@ -53,10 +54,6 @@ __all__ = [
 ]
 
 FRAGMENT_META = "fragment"
-#: Bytes a fragment file may take beyond its tensors' payload: the safetensors header (a
-#: tensor table entry per tensor, the metadata, the signature).
-HEADER_ALLOWANCE = 64 << 10
-HEADER_PER_TENSOR = 512
 
 
 class FragmentFileError(TransportError):
@@ -143,12 +140,9 @@ def check_listed_size(
 
 
 def size_limit(layout: FragmentLayout, index: int, local: Mapping[str, torch.Tensor]) -> int:
-    """The most bytes fragment ``index``'s file may take: its tensors at 8 bytes per element
-    (or their own element size when larger: a master may keep float32 weights for a bf16
-    node), plus the header allowance."""
-    tensors = fragment_tensors(local, layout, index)
-    payload = sum(t.numel() * max(t.element_size(), 8) for t in tensors.values())
-    return payload + HEADER_ALLOWANCE + HEADER_PER_TENSOR * len(tensors)
+    """The most bytes fragment ``index``'s file may take: what a global file of its tensors
+    may (:func:`~speedtronic_diloco.global_check.size_limit`)."""
+    return global_size_limit(fragment_tensors(local, layout, index))
 
 
 def check_fragment_file(
@@ -210,6 +204,7 @@ def _check_signature(path: Path, where: str, index: int, outer_step: int, key: b
     try:
         signed = verify_file(path, key)
     except SignatureError as exc:
-        raise FragmentFileError(f"{where}: {exc.reason}: {exc}") from None
+        text = str(exc).replace(str(path), where)  # the store path, not the local copy
+        raise FragmentFileError(f"{text} ({exc.reason})") from None
     if signed.get(FRAGMENT_META) != str(index) or signed.get("outer_step") != str(outer_step):
         raise FragmentFileError(f"{where}: signed for another fragment or outer step")

@@ -37,13 +37,14 @@ from collections.abc import Callable
 
 from speedtronic.errors import TransportError
 from speedtronic_diloco.retry import RetryPolicy
-from speedtronic_diloco.timestamps import format_utc, parse_timestamp
+from speedtronic_diloco.timestamps import format_utc
 from speedtronic_diloco.transports.base import (
     LEASE_FILE,
     Lease,
     LeaseConflictError,
     LeaseError,
     LeaseLostError,
+    MalformedLeaseError,
     PermanentTransportError,
     Transport,
     UnsupportedOperation,
@@ -115,6 +116,7 @@ class LeaseKeeper:
         store has no leases; transient store failures are retried, then raised."""
         stop = stop or threading.Event()
         for _ in range(5):  # a lost compare-and-swap race is looked at again
+            floor = 0  # the epoch of a malformed lease, when it could be read
             try:
                 current = self.retry.call(
                     f"reading the lease of {self.transport.description}",
@@ -138,6 +140,8 @@ class LeaseKeeper:
                     ) from None
                 log.warning("%s; taking the lease over", exc)
                 current = None
+                if isinstance(exc, MalformedLeaseError) and exc.epoch is not None:
+                    floor = exc.epoch
             if not self._mine_to_take(current):
                 problem = self._lease_problem(current)
                 if problem is None:
@@ -152,7 +156,7 @@ class LeaseKeeper:
                     log.warning("%s; taking the lease over now", problem)
             fresh = Lease(
                 holder=self.node_id,
-                epoch=(current.epoch + 1) if current is not None else 1,
+                epoch=(current.epoch if current is not None else floor) + 1,
                 expires_at=self.clock() + self.ttl,
                 renewed_at=self.clock(),
                 instance=self.instance,
@@ -182,15 +186,11 @@ class LeaseKeeper:
         )
 
     def _lease_problem(self, lease: Lease) -> str | None:
-        """Why another master's lease cannot be waited for (None when it can): a time that
-        is no time, or an expiry further ahead than a lease of ``ttl`` (plus clock skew) can
-        reach; waiting for it would take a year, or forever."""
+        """Why another master's lease cannot be waited for (None when it can): an expiry
+        further ahead than a lease of ``ttl`` (plus clock skew) can reach; waiting for it would
+        take a year. (A time that is no time is refused when the lease is read:
+        :meth:`Lease.loads <speedtronic_diloco.transports.base.Lease.loads>`.)"""
         where = f"{self.transport.description}: {LEASE_FILE}"
-        try:
-            parse_timestamp(lease.expires_at, where, "expires_at")
-            parse_timestamp(lease.renewed_at, where, "renewed_at")
-        except ValueError as exc:
-            return str(exc)
         ahead = lease.expires_at - self.clock()
         if ahead > self.ttl + CLOCK_SKEW_SLACK:
             return (

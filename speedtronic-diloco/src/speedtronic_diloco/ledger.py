@@ -53,11 +53,13 @@ from speedtronic_diloco.transports.base import (
 
 __all__ = [
     "LOCAL_WINDOW",
+    "MAX_REASON",
     "PUBLISHED_WINDOW",
     "DeltaLedger",
     "Housekeeper",
     "NodeRecord",
     "Verdict",
+    "bounded_reason",
     "delta_norm",
 ]
 
@@ -68,7 +70,18 @@ LOCAL_WINDOW = 64
 PUBLISHED_WINDOW = 8
 """Processed deltas per node the published metadata carries exactly."""
 LEDGER_FORMAT = 1
-_MAX_REASON = 200
+MAX_REASON = 2000
+"""Characters of a rejection reason kept (in the ledger, the state, events). Reasons name
+the store path and quote file contents shortly, so a real one stays well below this; the
+bound is for a summary read back from a store someone else wrote."""
+
+
+def bounded_reason(text: str) -> str:
+    """``text`` cut to :data:`MAX_REASON` characters, saying so when it was cut."""
+    if len(text) <= MAX_REASON:
+        return text
+    cut = MAX_REASON - 40
+    return f"{text[:cut]}... ({len(text) - cut} more characters)"
 
 
 class Verdict(enum.Enum):
@@ -131,7 +144,7 @@ class NodeRecord:
             self.base_outer_step = _int(data.get("base_outer_step"), None)
             self.norm = _float(data.get("norm"))
             reason = data.get("last_reason")
-            self.last_reason = str(reason)[:_MAX_REASON] if reason is not None else None
+            self.last_reason = bounded_reason(str(reason)) if reason is not None else None
 
 
 class DeltaLedger:
@@ -232,7 +245,7 @@ class DeltaLedger:
             record.accepted += 1
         else:
             record.rejected += 1
-            record.last_reason = (reason or "rejected")[:_MAX_REASON]
+            record.last_reason = bounded_reason(reason or "rejected")
         if record.last_step is None or info.local_step >= record.last_step:
             record.last_step = info.local_step
             record.last_at = time.time() if now is None else now

@@ -111,7 +111,9 @@ def data_seed(config: Any, seed: int) -> int | None:
 @hookimpl
 def load_global_state(config: Any, model: Any) -> dict[str, Any] | None:
     """The store's current global weights (``--global`` of eval, export and generate), read
-    without joining the run; None when DumbDiLoCo is not enabled in ``config``."""
+    without joining the run and checked as a node checks a global before installing it
+    (:mod:`speedtronic_diloco.global_check`: a forged one is a TransportError, never NaN
+    weights); None when DumbDiLoCo is not enabled in ``config``."""
     section = _section(config)
     if section is None:
         return None

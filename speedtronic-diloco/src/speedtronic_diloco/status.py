@@ -32,7 +32,7 @@ from typing import Any
 
 from speedtronic.cli import add_set_option, load_config
 from speedtronic.errors import ConfigError, TransportError
-from speedtronic_diloco.timestamps import format_utc, parse_timestamp, timestamp_problem
+from speedtronic_diloco.timestamps import format_utc
 
 __all__ = [
     "RunStatus",
@@ -108,12 +108,7 @@ def collect_status(transport: Any, now: float | None = None) -> RunStatus:
     metadata = _attempt(status, "global metadata", transport.read_global_metadata)
     if metadata is not None:
         status.outer_step = metadata.outer_step
-        try:
-            status.published_at = parse_timestamp(
-                metadata.published_at, "global/step_count.json", "published_at"
-            )
-        except ValueError as exc:
-            status.problems.append(f"global metadata: {exc}")
+        status.published_at = metadata.published_at  # a time: GlobalMetadata checked it
         status.master = metadata.master
         status.lease_epoch = metadata.lease_epoch
         status.deltas_included = metadata.deltas_included
@@ -130,12 +125,6 @@ def collect_status(transport: Any, now: float | None = None) -> RunStatus:
         status.problems.append(f"lease: {exc}")
         lease = None
     if lease is not None:
-        for name in ("expires_at", "renewed_at"):
-            value = getattr(lease, name)
-            if value is not None and timestamp_problem(value) is not None:
-                status.problems.append(
-                    f"lease: global/lease.json: {name} {timestamp_problem(value)}"
-                )
         if lease.released:
             state = "released"
         else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import threading
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, replace
@@ -28,6 +29,7 @@ from speedtronic_diloco.aggregation import (
 )
 from speedtronic_diloco.codecs import CodecError, decode_delta_file, is_compressed
 from speedtronic_diloco.fragments import FragmentBook, FragmentError
+from speedtronic_diloco.ledger import bounded_reason
 from speedtronic_diloco.retry import RetryPolicy
 from speedtronic_diloco.signing import SignatureError, read_header, verify_file
 from speedtronic_diloco.tensors import TensorDict
@@ -49,7 +51,7 @@ class Rejection:
 
     @classmethod
     def of(cls, exc: DeltaRejected) -> Rejection:
-        return cls(exc.reason, str(exc), exc.norm)
+        return cls(exc.reason, bounded_reason(str(exc)), exc.norm)
 
     def __str__(self) -> str:
         return self.message
@@ -157,6 +159,14 @@ class Intake:
         newest = max(bases.values())
         return {node for node, base in bases.items() if base == newest}
 
+    def only_refused(self, new: Iterable[DeltaInfo]) -> set[str]:
+        """The nodes whose deltas of ``new`` waiting are all refused: the outer thread does not
+        wait for them (as after a round that rejected them), so bad deltas never hold a round
+        up for ``round_timeout``."""
+        waiting = self.waiting(info.key for info in new)
+        good = {o.delta.node_id for o in waiting if isinstance(o, Fetched)}
+        return {o.info.node_id for o in waiting if isinstance(o, Refused)} - good
+
     def take(self, info: DeltaInfo) -> Intaken | None:
         """The waiting outcome of ``info`` (removed), if it was fetched at its listed etag."""
         early = self._waiting.pop(info.key, None)
@@ -225,13 +235,23 @@ class Intake:
             for leftover in (dest, dest.with_suffix(".decoded")):
                 with contextlib.suppress(FileNotFoundError):
                     leftover.unlink()
-            return Refused(info, Rejection.of(exc), content, size)
+            return Refused(info, self._rejection(info, exc), content, size)
         if checked.signature and checked.signature in signatures:
             with contextlib.suppress(FileNotFoundError):
                 checked.path.unlink()
             why = Rejection("replayed", "the same signed delta was aggregated before")
             return Refused(info, why, content, size)
         return Fetched(info, checked, content, covers, compressed, size)
+
+    def _rejection(self, info: DeltaInfo, exc: DeltaRejected) -> Rejection:
+        """``exc`` as a Rejection whose message names the delta by its store path
+        (``info.path``) and never by where this master keeps its copy: the reason is logged,
+        sent as an event and published in the store's metadata (``nodes``)."""
+        message = re.sub(re.escape(str(self.directory)) + r"[^\s'\":]*", info.path, str(exc))
+        message = message.replace(f"{info.path}: {info.path}", info.path)
+        if not message.startswith(info.path):
+            message = f"{info.path}: {message}"
+        return Rejection(exc.reason, bounded_reason(message), exc.norm)
 
     @staticmethod
     def _metadata(

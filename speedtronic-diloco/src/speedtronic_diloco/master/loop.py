@@ -11,7 +11,8 @@ published, loudly, and the halt survives restarts) with the previous good global
 kept. The processed-delta ledger and the store housekeeping live in
 :mod:`speedtronic_diloco.ledger`, the lease that fences every publication in
 :mod:`speedtronic_diloco.lease`. A lost lease, or any error escaping a round, ends the outer
-thread with :attr:`MasterOuterLoop.failure` set, which stops the run loudly.
+thread with :attr:`MasterOuterLoop.failure` set, which stops the run loudly; the thread looks at
+its lease at every poll, so a lost lease stops it within ``poll_interval`` of being noticed.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from speedtronic.errors import SpeedtronicError
 from speedtronic_diloco.aggregation import AggregationRules, RoundDecision, RoundPolicy
 from speedtronic_diloco.fragments import FragmentLayout
 from speedtronic_diloco.ledger import Housekeeper, Verdict
-from speedtronic_diloco.master.intake import Fetched, Intake, Intaken
+from speedtronic_diloco.master.intake import Fetched, Intake, Intaken, Refused
 from speedtronic_diloco.master.keeper import OuterStateKeeper
 from speedtronic_diloco.master.publish import Publication, Publisher
 from speedtronic_diloco.master.report import Emit, Reporter
@@ -222,6 +223,8 @@ class MasterOuterLoop(OuterStateKeeper):
         )
         if outcome is not None:
             self._bytes_in += outcome.size
+        if isinstance(outcome, Refused):  # told now: its round may be round_timeout away
+            self.reporter.refused(outcome.info, outcome.why)
         return outcome
 
     def _seen(self, info: DeltaInfo, content: str) -> bool:
@@ -241,6 +244,8 @@ class MasterOuterLoop(OuterStateKeeper):
         reference = self.global_state
         if reference is not None:
             self.intake.prefetch(new, lambda info: self._fetch(info, reference), abort)
+            for node in self.intake.only_refused(new):  # not waited for: see Intake
+                self.policy.rejected(node)
         return new
 
     def _round(
@@ -403,6 +408,8 @@ class MasterOuterLoop(OuterStateKeeper):
         try:
             while not self._stop.is_set():
                 try:
+                    if self.lease is not None:  # lost: stop now, not at the next publication
+                        self.lease.check()
                     self.publish_if_behind()
                     self.tick(abort=self._stop)
                 except LeaseError:  # another master took over: this one must stop

@@ -1,7 +1,7 @@
 """What the master tells people: log lines and metric events for rounds (``outer_step``,
-``outer_eval``), rejected deltas (``delta_rejected``, loud after a node's repeated
-rejections), a halt (``outer_halted``, with a reminder while it lasts) and the final global
-(``final_global``)."""
+``outer_eval``), rejected deltas (``delta_rejected``, told once, as the intake refuses the
+delta or the round rejects it; loud after a node's repeated rejections), a halt
+(``outer_halted``, with a reminder while it lasts) and the final global (``final_global``)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,12 @@ log = logging.getLogger("speedtronic.diloco.outer")
 
 Emit = Callable[[str, dict[str, Any]], None]
 LOUD_AFTER = 3  # consecutive rejections of one node before it is logged as a problem
+MAX_TOLD = 4096  # rejections told ahead of their round, remembered so as not to tell twice
 HALT_REMINDER_S = 60.0
+
+
+def _finite(norm: float | None) -> float | None:
+    return norm if norm is None or math.isfinite(norm) else None
 
 
 class Reporter:
@@ -33,14 +38,39 @@ class Reporter:
         self.emit: Emit = emit or (lambda event, payload: None)
         self.state_dir = state_dir
         self._streaks: dict[str, int] = {}
+        self._told: dict[tuple[str, int, str | None], None] = {}  # refused, round not yet run
         self._reminded = -math.inf
 
     def accepted(self, node_id: str) -> None:
         self._streaks[node_id] = 0
 
+    def refused(self, info: DeltaInfo, why: Rejection) -> None:
+        """Log and emit one rejection now, as the intake refuses the delta (its round, which
+        records it, may be a ``round_timeout`` away); :meth:`rejected` does not tell it again."""
+        key = (info.node_id, info.local_step, info.etag)
+        if key in self._told:
+            return
+        if len(self._told) >= MAX_TOLD:  # deltas that left the store before their round
+            self._told.pop(next(iter(self._told)))
+        self._told[key] = None
+        self._tell(info, why)
+
     def rejected(self, info: DeltaInfo, why: Rejection, outer_step: int) -> dict[str, Any]:
-        """Log and emit one rejection; returns its record for the state's ``rejections``."""
-        norm = why.norm if why.norm is None or math.isfinite(why.norm) else None
+        """A rejection of a round: logged and emitted unless :meth:`refused` told it already;
+        returns its record for the state's ``rejections``."""
+        if self._told.pop((info.node_id, info.local_step, info.etag), "new") == "new":
+            self._tell(info, why)
+        return {
+            "node": info.node_id,
+            "step": info.local_step,
+            "reason": why.reason,
+            "message": why.message,
+            "norm": _finite(why.norm),
+            "outer_step": outer_step,
+            "at": time.time(),
+        }
+
+    def _tell(self, info: DeltaInfo, why: Rejection) -> None:
         log.error("rejected delta %s (%s): %s", info.path, why.reason, why)
         streak = self._streaks.get(info.node_id, 0) + 1
         self._streaks[info.node_id] = streak
@@ -59,20 +89,11 @@ class Reporter:
                 "node": info.node_id,
                 "delta_step": info.local_step,
                 "reason": why.reason,
-                "norm": norm,
+                "norm": _finite(why.norm),
                 "consecutive": streak,
-                "message": why.message[:200],
+                "message": why.message,
             },
         )
-        return {
-            "node": info.node_id,
-            "step": info.local_step,
-            "reason": why.reason,
-            "message": why.message[:200],
-            "norm": norm,
-            "outer_step": outer_step,
-            "at": time.time(),
-        }
 
     def round(self, result: RoundResult, fields: dict[str, Any]) -> None:
         """The ``outer step N: ...`` line and the ``outer_step`` / ``outer_eval`` events;

@@ -17,7 +17,6 @@ from torch import nn
 
 from speedtronic.errors import SpeedtronicError
 from speedtronic_diloco.cache import GlobalCache
-from speedtronic_diloco.codecs import restore_dtypes
 from speedtronic_diloco.fragment_files import (
     FragmentFileError,
     check_fragment_file,
@@ -25,6 +24,12 @@ from speedtronic_diloco.fragment_files import (
     check_listed_size,
 )
 from speedtronic_diloco.fragments import FragmentLayout, global_fragment_info
+from speedtronic_diloco.global_check import (
+    GlobalRefusedError,
+    check_global_size,
+    checked_global,
+    weights_norm,
+)
 from speedtronic_diloco.node.boundary import OwnProgress
 from speedtronic_diloco.node.context import NodeContext
 from speedtronic_diloco.signing import SignatureError, read_header, verify_file
@@ -53,6 +58,7 @@ class Installer:
         self._received: dict[int, int] = {}  # outer step -> bytes of its downloaded global
         self._fragment_caches: dict[int, GlobalCache] = {}  # fragment -> its files' cache
         self._refused: dict[tuple[str, str], None] = {}  # (file, sha256) refused: not again
+        self._norm: tuple[TensorDict, float] | None = None  # (baseline, its norm)
 
     # ----------------------------------------------------------------- install
     def install_ready(self, model: nn.Module, due: tuple[int, ...]) -> bool:
@@ -150,43 +156,64 @@ class Installer:
         return metadata.outer_step, tensors
 
     def fetch(self, metadata: GlobalMetadata, complete: bool = False) -> TensorDict | None:
-        """The weights ``metadata`` describes, from the per-version cache or the store. With
-        fragment files, only the fragments this node will install (all with ``complete``)."""
+        """The weights ``metadata`` describes, from the per-version cache or the store, in the
+        model's dtypes and checked (:mod:`speedtronic_diloco.global_check`); None when not
+        fetched or refused. With fragment files, only the fragments this node will install
+        (all with ``complete``)."""
         if metadata.fragment_files:
             return self._fetch_fragment_files(metadata, complete)
+        if (metadata.model_file, metadata.sha256) in self._refused:
+            return None
         ctx = self.ctx
-        tensors = self.globals.get(
-            metadata,
-            self._downloader(
-                metadata, f"global outer step {metadata.outer_step}", metadata.outer_step
-            ),
-        )
-        if tensors is not None:
-            tensors = restore_dtypes(tensors, ctx.state.baseline)  # bf16: the model's dtype
-            self._note(metadata)
-        if tensors is None or ctx.key is None:
-            return tensors
         path = self.globals.path_for(metadata)
         try:
-            signed = verify_file(path, ctx.key)
-            if signed.get("kind") != "global" or signed.get("outer_step") != str(
-                metadata.outer_step
-            ):
-                raise SignatureError("bad_signature", f"{path}: signed for another outer step")
-        except SignatureError as exc:
-            log.error(
-                "!!! refusing global outer step %d: %s (%s); keeping the current weights",
-                metadata.outer_step,
-                exc.reason,
-                exc,
+            with ctx.lock:
+                reference = ctx.state.baseline
+            check_global_size(metadata.size, reference, metadata.model_file)
+            tensors = self.globals.get(
+                metadata,
+                self._downloader(
+                    metadata, f"global outer step {metadata.outer_step}", metadata.outer_step
+                ),
             )
+            if tensors is None:
+                return None
+            header = read_header(path)[1].get("__metadata__") or {}
+            if ctx.key is not None:
+                signed = verify_file(path, ctx.key)
+                if signed.get("kind") != "global" or signed.get("outer_step") != str(
+                    metadata.outer_step
+                ):
+                    raise SignatureError("bad_signature", f"{path}: signed for another outer step")
+            tensors = self._checked(tensors, metadata.model_file, header.get("codec"))
+        except (SignatureError, GlobalRefusedError) as exc:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
-            ctx.queue_event(
-                "global_refused", {"outer_step": metadata.outer_step, "reason": exc.reason}
-            )
-            return None
+            if isinstance(exc, SignatureError):  # its message names the local cache file
+                text = str(exc).replace(str(path), metadata.model_file)
+                exc = GlobalRefusedError(exc.reason, text)
+            return self._refuse(metadata, exc)
+        self._note(metadata)
         return tensors
+
+    def _checked(self, tensors: TensorDict, where: str, codec: Any) -> TensorDict:
+        """``tensors`` (one global file's: the whole global, or one fragment's) in the model's
+        dtypes, refused unless safe to install
+        (:func:`~speedtronic_diloco.global_check.checked_global`, against the weights this
+        node last installed or started from)."""
+        with self.ctx.lock:
+            reference = self.ctx.state.baseline
+        known = self._norm  # the baseline is replaced, never changed in place: one norm each
+        if known is None or known[0] is not reference:
+            known = self._norm = (reference, weights_norm(reference))
+        return checked_global(
+            tensors,
+            reference,
+            where,
+            codec=codec if isinstance(codec, str) else None,
+            max_update_ratio=self.ctx.config.max_update_ratio,
+            norm=known[1],
+        )
 
     def _downloader(
         self, view: GlobalMetadata, what: str, outer_step: int
@@ -229,7 +256,7 @@ class Installer:
                 return None
             tensors.update(part)
         self._note(metadata)
-        return restore_dtypes(tensors, baseline)
+        return tensors
 
     def _fetch_fragment_file(
         self, metadata: GlobalMetadata, layout: FragmentLayout, j: int
@@ -247,23 +274,22 @@ class Installer:
             return self._refuse(view, exc, metadata.outer_step)
         cache = self._fragment_cache(j)
         what = f"{where} (fragment {j} of global outer step {metadata.outer_step})"
-        tensors = cache.get(view, self._downloader(view, what, metadata.outer_step))
-        if tensors is None:
-            return None
         path = cache.path_for(view)
         try:
+            tensors = cache.get(view, self._downloader(view, what, metadata.outer_step))
+            if tensors is None:
+                return None
             header = read_header(path)[1].get("__metadata__") or {}
             check_fragment_file(
                 path, where, j, view.outer_step, layout, tensors, header, baseline, ctx.key
             )
-        except (SignatureError, FragmentFileError) as exc:
+            return self._checked(tensors, where, header.get("codec"))
+        except (SignatureError, FragmentFileError, GlobalRefusedError) as exc:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
-            problem = (
-                exc if isinstance(exc, FragmentFileError) else FragmentFileError(f"{where}: {exc}")
-            )
-            return self._refuse(view, problem, metadata.outer_step)
-        return tensors
+            if isinstance(exc, SignatureError):  # its message names the local cache file
+                exc = FragmentFileError(str(exc).replace(str(path), where))
+            return self._refuse(view, exc, metadata.outer_step)
 
     def _fragment_cache(self, j: int) -> GlobalCache:
         cache = self._fragment_caches.get(j)
@@ -274,18 +300,28 @@ class Installer:
         return cache
 
     def _refuse(
-        self, refused: GlobalMetadata, exc: FragmentFileError, outer_step: int | None = None
+        self,
+        refused: GlobalMetadata,
+        exc: FragmentFileError | GlobalRefusedError,
+        outer_step: int | None = None,
     ) -> None:
-        """Log and emit ``global_refused`` for the file ``refused`` names (the metadata's own
-        ``model_file`` for a refused metadata), and never fetch that file again."""
+        """Log one line and emit ``global_refused`` for the file ``refused`` names (the
+        metadata's own ``model_file`` for a refused metadata), and never fetch that file again:
+        the node keeps its weights."""
         if len(self._refused) >= 64:
             self._refused.pop(next(iter(self._refused)))
         self._refused[(refused.model_file, refused.sha256)] = None
         step = refused.outer_step if outer_step is None else outer_step
-        log.error("!!! refusing global outer step %d: %s; keeping the current weights", step, exc)
+        reason = exc.reason if isinstance(exc, GlobalRefusedError) else "fragment_file"
+        message = str(exc)
+        log.error(
+            "!!! refusing global outer step %d: %s (%s); keeping the current weights",
+            step,
+            reason,
+            message,
+        )
         self.ctx.queue_event(
-            "global_refused",
-            {"outer_step": step, "reason": "fragment_file", "message": str(exc)[:200]},
+            "global_refused", {"outer_step": step, "reason": reason, "message": message}
         )
 
     # ----------------------------------------------------------------- bookkeeping

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
 import time
 from abc import ABC, abstractmethod
@@ -31,6 +30,7 @@ from typing import Any
 from speedtronic.checkpoint.fileio import atomic_writer, sha256_file
 from speedtronic.errors import TransportError
 from speedtronic_diloco.identity import is_valid_node_id
+from speedtronic_diloco.timestamps import parse_timestamp
 
 __all__ = [
     "GLOBAL_METADATA",
@@ -47,6 +47,7 @@ __all__ = [
     "LeaseConflictError",
     "LeaseError",
     "LeaseLostError",
+    "MalformedLeaseError",
     "PermanentTransportError",
     "TransientTransportError",
     "Transport",
@@ -87,6 +88,15 @@ class TransientTransportError(TransportError):
 class PermanentTransportError(TransportError):
     """A failure that retrying cannot fix: bad credentials, no permission, missing repository,
     malformed request or metadata."""
+
+
+class MalformedLeaseError(PermanentTransportError):
+    """``lease.json`` cannot be used (not JSON, a field missing, a time that is no time); its
+    ``epoch`` when that could be read, so that a master taking it over numbers after it."""
+
+    def __init__(self, message: str, epoch: int | None = None) -> None:
+        super().__init__(message)
+        self.epoch = epoch
 
 
 class UnsupportedOperation(PermanentTransportError):
@@ -151,24 +161,27 @@ class Lease:
 
     @classmethod
     def loads(cls, raw: bytes, where: str = LEASE_FILE) -> Lease:
-        """Parse ``lease.json``; PermanentTransportError naming ``where`` when malformed."""
+        """Parse ``lease.json``; MalformedLeaseError naming ``where`` (and the field of a time
+        that is no time: :func:`~speedtronic_diloco.timestamps.parse_timestamp`) if malformed."""
         try:
             data = json.loads(raw.decode("utf-8"))
             if not isinstance(data, dict):
                 raise TypeError("not an object")
-            lease = cls(
-                holder=str(data["holder"]),
-                epoch=int(data["epoch"]),
-                expires_at=float(data["expires_at"]),
-                renewed_at=None if data.get("renewed_at") is None else float(data["renewed_at"]),
-                instance=None if data.get("instance") is None else str(data["instance"]),
-                released=bool(data.get("released", False)),
-            )
-        except (UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
-            raise PermanentTransportError(f"{where}: malformed lease ({exc})") from None
-        if lease.epoch < 0 or not math.isfinite(lease.expires_at):
-            raise PermanentTransportError(f"{where}: malformed lease (epoch or expires_at)")
-        return lease
+            holder, epoch = str(data["holder"]), int(data["epoch"])
+            instance = None if data.get("instance") is None else str(data["instance"])
+            released = bool(data.get("released", False))
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError, OverflowError) as exc:
+            raise MalformedLeaseError(f"{where}: malformed lease ({exc})") from None
+        if epoch < 0:
+            raise MalformedLeaseError(f"{where}: malformed lease (epoch {epoch})")
+        try:
+            expires_at = parse_timestamp(data.get("expires_at"), where, "expires_at")
+            renewed_at = parse_timestamp(data.get("renewed_at"), where, "renewed_at")
+        except ValueError as exc:
+            raise MalformedLeaseError(str(exc), epoch) from None
+        if expires_at is None:
+            raise MalformedLeaseError(f"{where}: expires_at is missing", epoch)
+        return cls(holder, epoch, expires_at, renewed_at, instance, released)
 
 
 def check_fence(current: Lease | None, holder: str, epoch: int, where: str) -> None:
@@ -199,12 +212,7 @@ class FragmentFile:
     outer_step: int
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "file": self.file,
-            "sha256": self.sha256,
-            "size": self.size,
-            "outer_step": self.outer_step,
-        }
+        return asdict(self)  # file, sha256, size, outer_step
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> FragmentFile:
@@ -353,29 +361,30 @@ class GlobalMetadata:
                 processed.append((str(node), int(step), None if etag is None else str(etag)))
             except (TypeError, ValueError):
                 raise PermanentTransportError(f"{GLOBAL_METADATA}: bad processed entry") from None
-        published = data.get("published_at")
         nodes = data.get("nodes") or {}
         if not isinstance(nodes, dict) or not all(
             isinstance(k, str) and isinstance(v, dict) for k, v in nodes.items()
         ):
             raise PermanentTransportError(f"{GLOBAL_METADATA}: bad nodes summary")
         try:
-            epoch = data.get("lease_epoch")
+            epoch, loss = data.get("lease_epoch"), data.get("eval_loss")
             lease_epoch = None if epoch is None else int(epoch)
-            loss = data.get("eval_loss")
             eval_loss = None if loss is None else float(loss)
-            published_at = float(published) if published is not None else None
         except (TypeError, ValueError):
             raise PermanentTransportError(
-                f"{GLOBAL_METADATA}: bad lease_epoch, eval_loss or published_at"
+                f"{GLOBAL_METADATA}: bad lease_epoch or eval_loss"
             ) from None
+        try:
+            when = parse_timestamp(data.get("published_at"), GLOBAL_METADATA, "published_at")
+        except ValueError as exc:
+            raise PermanentTransportError(str(exc)) from None
         return cls(
             outer_step=outer_step,
             sha256=sha256,
             size=size,
             model_file=model_file,
             revision=revision,
-            published_at=published_at,
+            published_at=when,
             master=data.get("master"),
             deltas_included=int(data.get("deltas_included") or 0),
             processed=tuple(processed),
