@@ -152,7 +152,8 @@ def test_full_state_helpers_on_one_process() -> None:
 
 
 def test_flops_are_counted_on_a_meta_copy_taken_before_sharding() -> None:
-    from speedtronic.flops import measure_flops, meta_shadow
+    from speedtronic.flops import measure_flops
+    from speedtronic.fsdp import meta_shadow
 
     model = ReferenceTransformer(**SMALL)
     shadow = meta_shadow(model)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +23,7 @@ __all__ = [
     "atomic_write_text",
     "atomic_write_with",
     "atomic_writer",
+    "free_space",
     "fsync_dir",
     "fsync_file",
     "probe_writable",
@@ -30,6 +32,17 @@ __all__ = [
     "sha256_chunks",
     "sha256_file",
 ]
+
+
+def free_space(directory: Path) -> str:
+    """ "N MiB free" on the filesystem of ``directory`` (or its nearest existing parent)."""
+    probe = directory
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        return f"{shutil.disk_usage(probe).free / 2**20:.0f} MiB free there"
+    except OSError:
+        return "free space unknown"
 
 
 def fsync_dir(directory: str | os.PathLike[str]) -> None:

@@ -44,6 +44,7 @@ from safetensors.torch import load_file, save_file
 from speedtronic.checkpoint import statecodec
 from speedtronic.checkpoint.fileio import (
     atomic_write_text,
+    free_space,
     fsync_dir,
     fsync_file,
     probe_writable,
@@ -51,6 +52,13 @@ from speedtronic.checkpoint.fileio import (
     sha256_chunks,
 )
 from speedtronic.checkpoint.names import (
+    BEST_POINTER,
+    FORMAT_VERSION,
+    HASH_CHUNK_BYTES,
+    MANIFEST,
+    POINTER,
+    STATE,
+    TENSORS,
     checkpoint_name,
     existing_checkpoints,
     overwrite_refusal,
@@ -77,17 +85,8 @@ __all__ = [
 
 log = logging.getLogger("speedtronic.checkpoint")
 
-FORMAT_VERSION = 1
-POINTER = "latest.json"
-# Names the checkpoint with the lowest eval loss (checkpoint.keep_best); retention keeps it.
-BEST_POINTER = "best.json"
-TENSORS = "tensors.safetensors"
-STATE = "state.json"
-MANIFEST = "manifest.json"
 # The files of a sharded (DCP) checkpoint's dcp/ folder that a manifest may list.
 SHARD_FILE = re.compile(r"^dcp/(\.metadata|__\d{1,6}_\d{1,6}\.distcp)$")
-# Files are hashed in slices of this size, in parallel, so big checkpoints verify quickly.
-HASH_CHUNK_BYTES = 32 << 20
 # A pointer is one short JSON line; anything larger is not one.
 MAX_POINTER_BYTES = 64 << 10
 # A manifest lists one sha256 per 32 MiB slice: 16 MiB of them describe terabytes.
@@ -680,17 +679,6 @@ def _valid_shard_set(names: set[str]) -> bool:
     if not names:
         return True
     return all(SHARD_FILE.match(n) for n in names) and "dcp/.metadata" in names
-
-
-def free_space(directory: Path) -> str:
-    """ "N MiB free" on the filesystem of ``directory`` (or its nearest existing parent)."""
-    probe = directory
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    try:
-        return f"{shutil.disk_usage(probe).free / 2**20:.0f} MiB free there"
-    except OSError:
-        return "free space unknown"
 
 
 def _describe(path: Path) -> dict[str, Any]:

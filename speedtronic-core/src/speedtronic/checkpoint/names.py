@@ -1,5 +1,7 @@
-"""Checkpoint directory names (``step_NNNNNNNN``), readable without torch: the CLI checks a
-run's output directory before it imports torch."""
+"""Checkpoint directory names (``step_NNNNNNNN``) and the names of the files in and beside
+one, readable without torch: the CLI checks a run's output directory before it imports torch,
+and both writers (:mod:`~speedtronic.checkpoint.manager`, :mod:`~speedtronic.checkpoint.dcp`)
+lay checkpoints out by these names."""
 
 from __future__ import annotations
 
@@ -7,14 +9,31 @@ import re
 from pathlib import Path
 
 __all__ = [
+    "BEST_POINTER",
+    "FORMAT_VERSION",
+    "HASH_CHUNK_BYTES",
+    "MANIFEST",
     "NAME_PATTERN",
+    "POINTER",
+    "STATE",
+    "TENSORS",
     "checkpoint_name",
     "existing_checkpoints",
     "overwrite_refusal",
     "step_of",
 ]
 
+# 8 to 18 digits: every step an int64 holds, and never a number too long to convert.
 NAME_PATTERN = re.compile(r"^step_(\d{8,18})$")
+FORMAT_VERSION = 1
+POINTER = "latest.json"
+# Names the checkpoint with the lowest eval loss (checkpoint.keep_best); retention keeps it.
+BEST_POINTER = "best.json"
+TENSORS = "tensors.safetensors"
+STATE = "state.json"
+MANIFEST = "manifest.json"
+# Files are hashed in slices of this size, in parallel, so big checkpoints verify quickly.
+HASH_CHUNK_BYTES = 32 << 20
 
 
 def checkpoint_name(step: int) -> str:
