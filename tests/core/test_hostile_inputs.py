@@ -22,12 +22,13 @@ import numpy as np
 import pytest
 import torch
 from core.plugin_fixtures import plugin_env, run_cli, user_error_line
-from core.toy_runs import tiny_transformer_run, train
+from core.toy_runs import TINY_TRANSFORMER, tiny_transformer_run, train
 from torch import nn
 
 from speedtronic import cli
 from speedtronic.checkpoint import CheckpointManager, checkpoint_name
 from speedtronic.checkpoint import manager as manager_module
+from speedtronic.checkpoint import reader as reader_module
 from speedtronic.data import check_shards, read_index
 from speedtronic.data.preparation import prepare
 from speedtronic.errors import CheckpointError, DataError, SpeedtronicError
@@ -194,7 +195,7 @@ def test_a_manifest_that_is_not_a_small_regular_file_is_a_corrupt_checkpoint(
         manifest.mkdir()
     else:
         with open(manifest, "wb") as handle:  # sparse: no disk space used
-            handle.truncate(manager_module.MAX_MANIFEST_BYTES + 1)
+            handle.truncate(reader_module.MAX_MANIFEST_BYTES + 1)
     expected = {"fifo": "a FIFO", "directory": "a directory", "huge": "larger than 16 MiB"}[kind]
     with pytest.raises(CheckpointError, match=r"unreadable manifest") as caught:
         without_hanging(lambda: CheckpointManager(checkpoints).load(str(manifest.parent)), manifest)
@@ -451,6 +452,22 @@ def test_generate_at_a_tiny_temperature_runs(
     tiny = capsys.readouterr().out
     assert cli.main([*args, "--temperature", "0"]) == 0
     assert capsys.readouterr().out == tiny  # the same as greedy
+
+
+def test_generate_cli_writes_past_the_context(
+    trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A context-16 model, a 2-character prompt: 40 new tokens only fit if the window slides.
+    config, _ = run_copy(trained, tmp_path)
+    args = ["generate", "-c", str(config), "-p", "hi", "--max-new-tokens", "40"]
+    assert cli.main([*args, "--temperature", "0"]) == 0, capsys.readouterr().err
+    cached = capsys.readouterr()
+    assert cli.main([*args, "--temperature", "0", "--no-kv-cache"]) == 0
+    recomputed = capsys.readouterr()
+    assert cached.out == recomputed.out  # the rolled cache agrees with recomputing the window
+    generated = cached.out[len("hi") : -1]  # byte-level: at most one character per token
+    assert len(generated) > TINY_TRANSFORMER["max_seq_len"], generated
+    assert "warning" not in cached.out.lower()  # warnings go to stderr, never into the text
 
 
 def test_export_under_a_file_is_refused_before_loading(

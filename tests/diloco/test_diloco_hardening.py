@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from diloco_fakes import MemoryTransport, make_net
+from diloco_runs import tiny_run
 
 from speedtronic.errors import ConfigError
 from speedtronic_diloco.aggregation import AggregationRules
@@ -290,23 +291,14 @@ def test_parse_timestamp() -> None:
 
 
 def master_config(tmp_path: Path, store: Path, **distributed: Any) -> Path:
-    config = {
-        "run": {"name": "lease", "seed": 0, "device": "cpu", "max_steps": 6, "threads": 1},
-        "model": {
-            "name": "reference_transformer",
-            "vocab_size": 32,
-            "max_seq_len": 16,
-            "n_layer": 1,
-            "n_head": 2,
-            "n_kv_head": 1,
-            "d_model": 16,
-        },
-        "data": {"micro_batch_size": 2},
-        "checkpoint": {"interval": 0, "save_final": False},
-        "logging": {"log_every": 1000, "progress": False},
-        "distributed": {
-            "enabled": True,
-            "role": "master",
+    config = tiny_run(
+        tmp_path,
+        run={"name": "lease", "max_steps": 6, "threads": 1, "output_dir": None},
+        data={"micro_batch_size": 2},
+        checkpoint={"interval": 0, "save_final": False},
+        logging={"log_every": 1000},
+        precision=None,
+        distributed={
             "node_id": "m2",
             "repo_id": str(store),
             "inner_steps": 3,
@@ -317,7 +309,7 @@ def master_config(tmp_path: Path, store: Path, **distributed: Any) -> Path:
             "max_retries": 1,
             **distributed,
         },
-    }
+    )
     path = tmp_path / "master.json"
     path.write_text(json.dumps(config))
     return path

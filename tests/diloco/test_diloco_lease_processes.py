@@ -30,15 +30,6 @@ WAIT = 120.0
 TOKEN = "hf_test_secret_token"
 REPO = "org/lease-run"
 TTL = 3.0
-MODEL = {
-    "name": "reference_transformer",
-    "vocab_size": 32,
-    "max_seq_len": 16,
-    "n_layer": 1,
-    "n_head": 2,
-    "n_kv_head": 1,
-    "d_model": 16,
-}
 
 
 class Store:
@@ -90,7 +81,6 @@ def config_file(tmp_path: Path, store: Store) -> Path:
     config = tiny_run(
         tmp_path,
         run={"name": "lease", "max_steps": 1_000_000, "output_dir": None},
-        model=MODEL,
         data={"micro_batch_size": 2},
         optimizer={"lr": 1e-3},
         scheduler={"name": "constant"},

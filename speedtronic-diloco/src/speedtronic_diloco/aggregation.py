@@ -40,7 +40,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from speedtronic_diloco.signing import SignatureError, verify_file
-from speedtronic_diloco.tensors import TensorDict, compute_dtype, floating_only, is_floating
+from speedtronic_diloco.tensors import (
+    TensorDict,
+    compute_dtype,
+    floating_only,
+    is_floating,
+    mismatch,
+)
 from speedtronic_diloco.transports.base import DeltaInfo
 
 __all__ = [
@@ -185,6 +191,13 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float64)
 
 
+@dataclass(frozen=True)
+class _Shaped:
+    """A tensor's shape as a safetensors header gives it, for :func:`tensors.mismatch`."""
+
+    shape: tuple[int, ...]
+
+
 def inspect_delta(
     path: Path,
     info: DeltaInfo,
@@ -211,18 +224,23 @@ def inspect_delta(
     try:
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             metadata = dict(handle.metadata() or {})
-            names = set(handle.keys())
-            if names != expected.keys():
-                missing = sorted(expected.keys() - names)[:5]
-                extra = sorted(names - expected.keys())[:5]
-                raise DeltaRejected("keys", f"delta keys differ (missing {missing}, extra {extra})")
-            for name in sorted(names):
+            # Shapes from the header first: nothing is read for a delta of another model.
+            names = handle.keys()  # a safetensors handle is not iterable itself
+            shapes = {name: _Shaped(tuple(handle.get_slice(name).get_shape())) for name in names}
+            problem = mismatch(shapes, expected)
+            if problem is not None and not problem.name:
+                raise DeltaRejected(
+                    "keys",
+                    f"delta keys differ (missing {list(problem.missing)}, extra "
+                    f"{list(problem.extra)})",
+                )
+            if problem is not None:
+                raise DeltaRejected(
+                    "shape", f"{problem.name}: shape {problem.shape} != {problem.expected}"
+                )
+            for name in sorted(shapes):
                 tensor = handle.get_tensor(name)
                 target = expected[name]
-                if tensor.shape != target.shape:
-                    raise DeltaRejected(
-                        "shape", f"{name}: shape {tuple(tensor.shape)} != {tuple(target.shape)}"
-                    )
                 if not is_floating(tensor) or tensor.is_complex() != target.is_complex():
                     raise DeltaRejected("dtype", f"{name}: dtype {tensor.dtype} for {target.dtype}")
                 # Finite where it is used: the outer step computes in the global's dtype.

@@ -52,11 +52,14 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from speedtronic.errors import SpeedtronicError
+
+if TYPE_CHECKING:
+    from speedtronic_diloco.config import DistributedConfig
 from speedtronic_diloco.tensors import (
     TensorDict,
     TensorFileError,
@@ -151,12 +154,12 @@ class CodecSpec:
             raise CodecError(f"scales {self.scales!r} is not fp32 or bf16")
 
     @classmethod
-    def from_config(cls, config: Any) -> CodecSpec:
-        """The spec a ``distributed`` section asks for (absent keys: the defaults)."""
+    def from_config(cls, config: DistributedConfig) -> CodecSpec:
+        """The spec a ``distributed`` section asks for."""
         return cls(
-            codec=getattr(config, "compression", "none"),
-            block_size=getattr(config, "compression_block", DEFAULT_BLOCK_SIZE),
-            scales=getattr(config, "compression_scales", "fp32"),
+            codec=config.compression,
+            block_size=config.compression_block,
+            scales=config.compression_scales,
         )
 
     @property

@@ -53,7 +53,7 @@ class DiLoCoRun:
 
 
 def _section(config: Any) -> DistributedConfig | None:
-    section = getattr(config, "plugins", {}).get("distributed")
+    section = config.plugins.get("distributed")
     if isinstance(section, DistributedConfig) and section.enabled:
         return section
     return None
@@ -93,7 +93,7 @@ def _splits_by_node(config: Any) -> DistributedConfig | None:
     """The ``distributed`` section when DumbDiLoCo is on and ``data.node_split`` is ``auto``
     (``none``: every node reads the same stream)."""
     section = _section(config)
-    if section is None or getattr(config.data, "node_split", "auto") == "none":
+    if section is None or config.data.node_split == "none":
         return None
     return section
 

@@ -58,7 +58,7 @@ from speedtronic.checkpoint.names import (
 )
 from speedtronic.errors import CheckpointError
 
-if TYPE_CHECKING:  # the manager reads sharded checkpoints through this module
+if TYPE_CHECKING:  # the reader reads sharded checkpoints through this module
     from speedtronic.checkpoint.manager import CheckpointManager
 
 __all__ = [
