@@ -151,6 +151,22 @@ def test_full_state_helpers_on_one_process() -> None:
     assert not bool((model.norm.weight == 7.0).any())
 
 
+def test_flops_are_counted_on_a_meta_copy_taken_before_sharding() -> None:
+    from speedtronic.flops import measure_flops
+    from speedtronic.fsdp import meta_shadow
+
+    model = ReferenceTransformer(**SMALL)
+    shadow = meta_shadow(model)
+    assert shadow is not None and all(p.is_meta for p in shadow.parameters())
+    assert all(not p.is_meta for p in model.parameters())  # the model itself is untouched
+    on_shadow = measure_flops(shadow, seq_len=8)
+    on_model = measure_flops(model, seq_len=8)
+    assert on_shadow.parameters == on_model.parameters
+    # The real CPU pass takes the model's hand-differentiated backward, the meta one the plain
+    # operations: the same model arithmetic within a few elementwise operations.
+    assert on_shadow.flops_per_token == pytest.approx(on_model.flops_per_token, rel=0.02)
+
+
 def test_fsdp_on_one_process_writes_dcp_checkpoints_any_run_resumes(tmp_path: Path) -> None:
     horizon = {"warmup_steps": 2, "total_steps": 8}  # one schedule whatever max_steps is
     straight = tiny_transformer_run(tmp_path / "straight", run={"max_steps": 8}, scheduler=horizon)

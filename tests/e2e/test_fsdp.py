@@ -163,6 +163,11 @@ def assert_close(a: dict[int, float], b: dict[int, float], rel: float) -> None:
         assert abs(a[step] - b[step]) <= rel * abs(b[step]), (step, a[step], b[step])
 
 
+# 3 windows of micro-batches of 1 over 2 ranks: rank 0 scores two, rank 1 one (and runs one
+# uncounted forward so that the sharded forwards, collectives, stay in step).
+UNEVEN_EVAL = {"every": 3, "batches": 3, "micro_batch_size": 1}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """One process with the whole global batch, and two FSDP ranks without and with
@@ -174,13 +179,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             single,
             data={"micro_batch_size": 8},
             parallel={"strategy": "none"},
-            eval={"every": 3, "batches": 2, "micro_batch_size": 4},
+            eval=UNEVEN_EVAL,
         ),
         None,
         environment(single, PROBE_FULL_STATE="1"),
     )
     run(
-        write_config(sharded, eval={"every": 3, "batches": 2, "micro_batch_size": 4}),
+        write_config(sharded, eval=UNEVEN_EVAL),
         2,
         environment(sharded, PROBE_FULL_STATE="1"),
     )
@@ -197,7 +202,15 @@ def test_two_fsdp_ranks_follow_one_process_with_and_without_accumulation(
     # Clipping saw the norm of the whole gradient, not of one rank's shards.
     assert_close(curve(runs["fsdp"], "grad_norm"), curve(runs["single"], "grad_norm"), 2e-3)
     assert_close(curve(runs["accumulated"], "grad_norm"), curve(runs["single"], "grad_norm"), 2e-3)
-    assert [r["step"] for r in records(runs["fsdp"], "eval")] == [3, 6]  # sharded eval ran
+    # The FLOP count ran on the copy taken before sharding (not on one rank's shards).
+    counts = [records(runs[name], "train_start")[0]["flops_per_token"] for name in runs]
+    assert counts[0] and all(c == pytest.approx(counts[0], rel=0.02) for c in counts)
+    # The sharded eval scored the windows one process scores, with the same loss.
+    evals = {name: records(runs[name], "eval") for name in ("single", "fsdp")}
+    assert [r["step"] for r in evals["fsdp"]] == [3, 6]
+    for one, sharded in zip(evals["single"], evals["fsdp"], strict=True):
+        assert sharded["windows"] == one["windows"] == 3 and sharded["tokens"] == one["tokens"]
+        assert abs(sharded["loss"] - one["loss"]) <= 2e-3 * one["loss"]
     # A DCP checkpoint: every rank's shards, the rest, and a manifest listing all of them.
     final = runs["fsdp"] / "run" / "checkpoints" / "step_00000006"
     manifest = json.loads((final / "manifest.json").read_text())

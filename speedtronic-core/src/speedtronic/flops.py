@@ -9,7 +9,7 @@ the run's gradients, statistics and randomness are left as they were); for a lar
 meta tensors (shapes only: nothing is computed or allocated). When one way fails (the meta
 device cannot run a data-dependent branch or a tensor kept outside the parameters and buffers;
 a real sample does not fit) the other is tried. A model sharded by FSDP is counted on the
-meta copy of it taken before sharding (:func:`meta_shadow`). A model that
+meta copy of it taken before sharding (:func:`speedtronic.fsdp.meta_shadow`). A model that
 defines ``flops_per_token(seq_len)`` is asked instead. A model the counter cannot trace at all
 gets ``None`` and one warning; training goes on without ``tflops`` and ``mfu``.
 
@@ -39,7 +39,6 @@ __all__ = [
     "device_peak_tflops",
     "measure_flops",
     "measure_run_flops",
-    "meta_shadow",
     "sample_batch",
     "trainable_parameters",
 ]
@@ -131,18 +130,6 @@ def _substitutes(model: nn.Module, meta: bool) -> dict[int, torch.Tensor]:
             torch.empty_like(buffer, device="meta") if meta else buffer.detach().clone()
         )
     return found
-
-
-def meta_shadow(model: nn.Module) -> nn.Module | None:
-    """A deep copy of ``model`` on the meta device (shapes only, nothing allocated), or None
-    when it cannot be copied. A run whose model gets sharded (FSDP) counts its FLOPs on it:
-    the sharded model's forward gathers each unit's shards, a collective the counter's shadow
-    cannot take part in."""
-    try:
-        return copy.deepcopy(model, memo=dict(_substitutes(model, meta=True)))
-    except Exception as exc:
-        log.debug("no meta copy of %s to count FLOPs on: %s", type(model).__name__, exc)
-        return None
 
 
 def _sdpa_forward(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
@@ -343,7 +330,7 @@ def measure_run_flops(trainer: Any) -> FlopsReport:
     model = trainer.model
     fsdp = getattr(trainer, "fsdp", None)
     if fsdp is not None:
-        # Counted on the copy taken before sharding (see meta_shadow).
+        # Counted on the copy taken before sharding (speedtronic.fsdp.meta_shadow).
         if fsdp.shadow is None:
             log.warning(
                 "cannot count the FLOPs of the sharded %s (it cannot be copied); tflops and "

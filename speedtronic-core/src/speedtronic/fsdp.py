@@ -20,6 +20,7 @@ compute a pseudo-gradient and to install a global. :func:`state_bytes_per_rank` 
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ __all__ = [
     "is_sharded",
     "load_full_model_state",
     "load_optimizer_state",
+    "meta_shadow",
     "mixed_precision",
     "optimizer_state_by_name",
     "shard_model",
@@ -179,12 +181,30 @@ def shard_model(
     return units
 
 
+def meta_shadow(model: nn.Module) -> nn.Module | None:
+    """A deep copy of ``model`` on the meta device (shapes only, nothing allocated), or None
+    when it cannot be copied. Taken before :func:`shard_model`, it is what the FLOP count at
+    train start runs on: the sharded model's forward gathers each unit's shards, a collective
+    the counter's own copy of the model cannot take part in."""
+    memo: dict[int, Any] = {}
+    for param in model.parameters():
+        meta = torch.empty_like(param, device="meta")
+        memo[id(param)] = nn.Parameter(meta, requires_grad=param.requires_grad)
+    for buffer in model.buffers():
+        memo[id(buffer)] = torch.empty_like(buffer, device="meta")
+    try:
+        return copy.deepcopy(model, memo=memo)
+    except Exception as exc:
+        log.debug("no meta copy of %s to count FLOPs on: %s", type(model).__name__, exc)
+        return None
+
+
 @dataclass
 class ShardedRun:
     """The trainer's handle on a sharded model: gradient sync across accumulation
     micro-batches and the gradient norm over shards. ``shadow`` is a meta-device copy of the
-    model taken before it was sharded (:func:`speedtronic.flops.meta_shadow`): what the FLOP
-    count at train start runs on."""
+    model taken before it was sharded (:func:`meta_shadow`): what the FLOP count at train
+    start runs on."""
 
     model: nn.Module
     units: list[nn.Module]

@@ -108,8 +108,7 @@ def build_parts(
                 "none and let the optimizer section build it",
                 "parallel.strategy",
             )
-        from speedtronic.flops import meta_shadow
-        from speedtronic.fsdp import ShardedRun, shard_model
+        from speedtronic.fsdp import ShardedRun, meta_shadow, shard_model
 
         # The FLOP count needs the model whole; a meta copy of it costs no memory.
         shadow = meta_shadow(model)

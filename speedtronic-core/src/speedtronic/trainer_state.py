@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from speedtronic.checkpoint import SavedCheckpoint, rng_state, set_rng_state
-from speedtronic.checkpoint.dcp import load_sharded_weights
+from speedtronic.checkpoint.dcp import load_sharded_weights, sharded_model_shapes
 from speedtronic.errors import CheckpointError
 from speedtronic.fsdp import load_full_model_state, load_optimizer_state
 from speedtronic.state_checks import STATE_FORMAT, check_trainer_state, state_mismatch
@@ -70,6 +70,7 @@ class TrainerState:
                 f"unsupported trainer state format {found!r} (this version reads {STATE_FORMAT})"
             )
         if shards is not None:
+            self._check_fits(sharded_model_shapes(shards))
             load_sharded_weights(shards, self.model, self.optimizer, state["optimizer"])
         else:
             self._load_weights(state)
@@ -103,11 +104,16 @@ class TrainerState:
         self._resumed_rng = rng
         self.plugin_manager.hook.on_load_checkpoint(trainer=self, state=state.get("plugins") or {})
 
-    def _load_weights(self, state: dict[str, Any]) -> None:
-        """Model and optimizer from a full state (of a single-process, DDP or FSDP run)."""
-        mismatch = state_mismatch(self.model.state_dict(), state["model"])
+    def _check_fits(self, saved: Any) -> None:
+        """Raise :class:`CheckpointError` naming what of the saved model state (tensors, or
+        meta tensors of a sharded checkpoint's whole shapes) does not fit this model."""
+        mismatch = state_mismatch(self.model.state_dict(), saved)
         if mismatch:
             raise CheckpointError(f"the checkpoint does not fit this model ({mismatch})")
+
+    def _load_weights(self, state: dict[str, Any]) -> None:
+        """Model and optimizer from a full state (of a single-process, DDP or FSDP run)."""
+        self._check_fits(state["model"])
         try:
             load_full_model_state(self.model, state["model"])
         except (RuntimeError, KeyError, ValueError) as exc:

@@ -58,7 +58,7 @@ from speedtronic.checkpoint.names import (
 )
 from speedtronic.errors import CheckpointError
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the reader reads sharded checkpoints through this module
     from speedtronic.checkpoint.manager import CheckpointManager
 
 __all__ = [
@@ -68,6 +68,7 @@ __all__ = [
     "load_sharded_weights",
     "read_sharded_state",
     "save_sharded_checkpoint",
+    "sharded_model_shapes",
 ]
 
 log = logging.getLogger("speedtronic.checkpoint")
@@ -314,6 +315,18 @@ def _merged_optimizer(saved: dict[str, Any], per_param: dict[str, Any]) -> dict[
     return {"state": merged, "param_groups": saved.get("param_groups", [])}
 
 
+def sharded_model_shapes(directory: Path) -> dict[str, torch.Tensor]:
+    """The model tensors a DCP directory holds, by state-dict key, as meta tensors of their
+    whole (unsharded) shapes: what a loader checks against its model before
+    :func:`load_sharded_weights`."""
+    metadata = _reader(directory).read_metadata()
+    return {
+        where[1]: torch.empty(entry.size, device="meta")
+        for key, entry in metadata.state_dict_metadata.items()
+        if (where := (metadata.planner_data or {}).get(key)) and where[0] == "model"
+    }
+
+
 def load_sharded_weights(
     directory: Path,
     model: nn.Module,
@@ -323,25 +336,13 @@ def load_sharded_weights(
     """Load the model and optimizer shards of the DCP directory ``directory`` (a checkpoint's
     ``dcp/``) into ``model`` and ``optimizer``, resharding to however this run is laid out
     (FSDP on any number of ranks, DDP, one process). ``saved_optimizer`` is the checkpoint's
-    optimizer entry from state.json (hyperparameters). Every rank calls it."""
+    optimizer entry from state.json (hyperparameters). Every rank calls it; check the shapes
+    first (:func:`sharded_model_shapes`) for an error naming each tensor that differs."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from speedtronic.state_checks import state_mismatch
-
     reader = _reader(directory)
-    metadata = reader.read_metadata()
     model_state, optim_state = get_state_dict(model, optimizer)
-    saved_shapes = {
-        where[1]: torch.empty(entry.size, device="meta")
-        for key, entry in metadata.state_dict_metadata.items()
-        if (where := (metadata.planner_data or {}).get(key)) and where[0] == "model"
-    }
-    mismatch = state_mismatch(
-        {k: torch.empty(v.shape, device="meta") for k, v in model_state.items()}, saved_shapes
-    )
-    if mismatch:
-        raise CheckpointError(f"the checkpoint does not fit this model ({mismatch})")
     per_param: dict[str, dict[str, Any]] = {}
     for fqn, values in optim_state.get("state", {}).items():
         for key, value in values.items():

@@ -34,6 +34,17 @@ __all__ = [
 ]
 
 
+def free_space(directory: Path) -> str:
+    """ "N MiB free" on the filesystem of ``directory`` (or its nearest existing parent)."""
+    probe = directory
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        return f"{shutil.disk_usage(probe).free / 2**20:.0f} MiB free there"
+    except OSError:
+        return "free space unknown"
+
+
 def fsync_dir(directory: str | os.PathLike[str]) -> None:
     """Make a rename or unlink inside ``directory`` durable (a no-op where unsupported)."""
     try:
@@ -164,14 +175,3 @@ def probe_writable(directory: str | os.PathLike[str]) -> None:
         for leftover in (temp, final):
             with contextlib.suppress(OSError):
                 os.unlink(leftover)
-
-
-def free_space(directory: Path) -> str:
-    """ "N MiB free" on the filesystem of ``directory`` (or its nearest existing parent)."""
-    probe = directory
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    try:
-        return f"{shutil.disk_usage(probe).free / 2**20:.0f} MiB free there"
-    except OSError:
-        return "free space unknown"

@@ -1,5 +1,7 @@
-"""Checkpoint directory and file names (``step_NNNNNNNN``, ``latest.json``, ...), readable
-without torch: the CLI checks a run's output directory before it imports torch."""
+"""Checkpoint directory names (``step_NNNNNNNN``) and the names of the files in and beside
+one, readable without torch: the CLI checks a run's output directory before it imports torch,
+and both writers (:mod:`~speedtronic.checkpoint.manager`, :mod:`~speedtronic.checkpoint.dcp`)
+lay checkpoints out by these names."""
 
 from __future__ import annotations
 
@@ -21,8 +23,8 @@ __all__ = [
     "step_of",
 ]
 
+# 8 to 18 digits: every step an int64 holds, and never a number too long to convert.
 NAME_PATTERN = re.compile(r"^step_(\d{8,18})$")
-# The files of a checkpoint directory and the run's pointers to them.
 FORMAT_VERSION = 1
 POINTER = "latest.json"
 # Names the checkpoint with the lowest eval loss (checkpoint.keep_best); retention keeps it.
