@@ -13,16 +13,15 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from rank_runs import WAIT, probe_environment, train_command, train_ok
 
 pytestmark = pytest.mark.slow
 
-WAIT = 240  # seconds any one launch may take on a loaded machine
 
 # Loaded by every rank with --plugin: counts DDP's gradient all-reduces per optimizer step,
 # and can stop or kill a rank at a chosen step (set through environment variables).
@@ -103,27 +102,15 @@ def write_config(directory: Path, **overrides: Any) -> Path:
 
 
 def environment(directory: Path, **probe: str) -> dict[str, str]:
-    (directory / "ddp_probe.py").write_text(textwrap.dedent(PROBE))
-    return {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(directory), os.environ.get("PYTHONPATH", "")]),
-        "PROBE_DIR": str(directory),
-        "OMP_NUM_THREADS": "1",
-        **probe,
-    }
+    return probe_environment(directory, "ddp_probe", PROBE, **probe)
 
 
 def command(config: Path, nproc: int | None, *extra: str) -> list[str]:
-    line = [sys.executable, "-m", "speedtronic", "train", "-c", str(config), *extra]
-    line += ["--plugin", "ddp_probe"]
-    return line + (["--nproc-per-node", str(nproc)] if nproc else [])
+    return train_command(config, nproc, "ddp_probe", *extra)
 
 
 def run(config: Path, nproc: int | None, env: dict[str, str], *extra: str) -> None:
-    done = subprocess.run(
-        command(config, nproc, *extra), capture_output=True, text=True, timeout=WAIT, env=env
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    train_ok(config, nproc, "ddp_probe", env, *extra)
 
 
 def losses(directory: Path) -> dict[int, float]:
