@@ -222,6 +222,7 @@ def compare(
         "extra_cpu_us": statistics.median((r[3] - r[2]) for r in rows) / steps * 1e6,
         "cpu_ratios": cpu_ratios,
         "extra_cpu_us_rounds": [(r[3] - r[2]) / steps * 1e6 for r in rows],
+        "base_cpu_ms_rounds": [r[2] / steps * 1e3 for r in rows],
     }
     print(f"final loss: baseline {losses[0]:.5f}, speedtronic {losses[1]:.5f}")
     return result
@@ -419,6 +420,20 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
             unit="us",
             method=method.format(tiny_rounds, tiny_steps),
             label="CPU time Trainer.fit adds per step, tiny model",
+        )
+        emit(
+            "overhead.tiny_step_ms",
+            tiny["base_cpu_ms_rounds"],
+            unit="ms",
+            method=method.format(tiny_rounds, tiny_steps),
+            label="tiny model, hand-written loop's step CPU time",
+        )
+        emit(
+            "overhead.reference_step_ms",
+            reference["base_cpu_ms_rounds"],
+            unit="ms",
+            method=method.format(rounds, steps),
+            label="reference transformer, hand-written loop's step CPU time",
         )
     metrics = results.get("metrics")
     if metrics is not None:
