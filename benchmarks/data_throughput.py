@@ -314,8 +314,16 @@ def emit_rows(prep: dict[str, Any], loader: dict[str, Any], rounds: int, megabyt
                 f"data_throughput.loader.{name}.{workers}_workers",
                 [rate / 1e6 for rate in row["rounds"][workers]],
                 unit="M tokens/s",
-                method=f"wall-clock time, {rounds} interleaved rounds, in-process, fp32",
+                method=f"wall-clock time, {rounds} interleaved rounds",
                 label=f"data.shards loader, {shape} micro-batches, num_workers {workers}",
+            )
+        if "model" in row:
+            emit(
+                f"data_throughput.model.{name}",
+                [row["model"]["tokens_per_s"] / 1e3],
+                unit="k tokens/s",
+                method="wall-clock time of the training steps after two warm-up steps, 1 run",
+                label=f"{name} model training on this CPU, fp32, synthetic data",
             )
     base = prep["tokenizers encode_batch (in memory)"]["rounds"]
     for workers in (1, 2):
