@@ -112,6 +112,9 @@ def main() -> None:
             "checkpoint.save_final=false",
             "logging.log_every=1",
             "logging.level=WARNING",
+            # Training loss only: no held-out eval (text runs would need a held-out split).
+            "eval.every=0",
+            "eval.at_end=false",
         ]
         if args.muon_lr:
             common.append(f"optimizer.muon.lr={args.muon_lr}")

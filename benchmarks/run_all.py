@@ -79,8 +79,8 @@ BENCHMARKS: list[Benchmark] = [
     ),
     Benchmark("stop_agreement"),
     Benchmark("data_throughput"),
-    # The docs' table: 200 steps, 3 rounds (the script's --quick is a 25-step smoke test).
-    Benchmark("optimizers", quick=("--steps", "200", "--rounds", "3")),
+    # The docs' table: 200 steps, 2 rounds (the script's --quick is a 25-step smoke test).
+    Benchmark("optimizers", quick=("--steps", "200", "--rounds", "2")),
     # The full mode is the docs' table and takes about two minutes (mostly the 2 s requests).
     Benchmark("diloco_stall", quick=()),
     Benchmark("diloco_storage", quick=("--hub",)),
