@@ -66,6 +66,10 @@ BENCHMARKS: list[Benchmark] = [
         "diloco_convergence",
         quick=("--quick", "--select", "synthetic/100/none/1,synthetic/100/int8/1,text/100/none/1"),
     ),
+    # The asynchronous rows (real lanes and outer thread, one node 2x slower): a few minutes.
+    Benchmark(
+        "diloco_convergence_async", script_name="diloco_convergence", quick=("--async-rows",)
+    ),
     Benchmark("eval_overhead"),
     # Fewer steps than the script's own quick preset: torch's default threads under load run
     # at a fraction of a step per second, and each run is a whole `speedtronic train` process.
