@@ -105,8 +105,10 @@ STALL_RUNS = {
 }
 
 
-def stall_run(name: str, background: bool, device: str, workdir: Path) -> tuple[float, float]:
-    """(median step s, median s of the steps that carry a save) of one real run."""
+def stall_run(
+    name: str, background: bool, device: str, workdir: Path
+) -> tuple[list[float], list[float]]:
+    """(durations of the plain steps, of the steps that carry a save) of one real run, s."""
     from speedtronic.config import SpeedtronicConfig
 
     path, steps, interval, cpu_overrides = STALL_RUNS[name]
@@ -142,17 +144,30 @@ def stall_run(name: str, background: bool, device: str, workdir: Path) -> tuple[
     plain = [d for s, d in durations.items() if (s - 1) % interval]
     if not plain or not carrying:
         raise SystemExit(f"{name}: the run logged too few steps to compare ({sorted(stamps)})")
-    return statistics.median(plain), statistics.median(carrying)
+    return plain, carrying
 
 
 def stall(device: str, names: list[str], workdir: Path) -> None:
-    print(f"step-time stall of a save ({device}, {torch.get_num_threads()} threads)")
+    threads = torch.get_num_threads()
+    print(f"step-time stall of a save ({device}, {threads} threads)")
     print(f"{'model':16} {'saves':6} {'median step s':>14} {'save step s':>12} {'ratio':>7}")
     for name in names:
         for background in (False, True):
-            step, save = stall_run(name, background, device, workdir)
+            plain, carrying = stall_run(name, background, device, workdir)
+            step = statistics.median(plain)
             mode = "async" if background else "sync"
+            save = statistics.median(carrying)
             print(f"{name:16} {mode:6} {step:14.4f} {save:12.4f} {save / step:6.2f}x")
+            # Each save step against the run's median plain step: the spread is the saves'.
+            emit(
+                f"checkpoint_stall.{name}.{mode}",
+                [d / step for d in carrying],
+                unit="x",
+                method=f"wall-clock time of {len(carrying)} save steps / the median of "
+                f"{len(plain)} other steps, one Trainer.fit run, {device}, {threads} threads",
+                label=f"{name}, {'async' if background else 'synchronous'} save: step that "
+                "carries a save / median step",
+            )
 
 
 def main() -> None:

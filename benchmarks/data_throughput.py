@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from results import emit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -149,6 +150,7 @@ def prepare_rounds(corpus: Path, texts: list[str], work: Path, rounds: int) -> d
             "cpu_s": cpu,
             "tokens_per_s": tokens / wall,
             "tokens_per_cpu_s": tokens / cpu,
+            "rounds": runs,
         }
     return out
 
@@ -216,9 +218,8 @@ def loader_rounds(corpus: Path, work: Path, rounds: int, reference: bool) -> dic
 
     shards = work / "loader-shards"
     prepare([corpus], shards, workers=1, progress=False, shard_tokens=4_000_000)
-    shapes = {"smoke": (8, 64)}
-    if reference:
-        shapes["reference-small"] = (16, 1024)
+    # Both shapes in every mode: reading is cheap, only training reference-small is slow.
+    shapes = {"smoke": (8, 64), "reference-small": (16, 1024)}
     out: dict[str, Any] = {}
     for name, (micro, seq) in shapes.items():
         batches = 2000 if seq <= 64 else 300
@@ -227,6 +228,7 @@ def loader_rounds(corpus: Path, work: Path, rounds: int, reference: bool) -> dic
             for workers in (0, 2) if round_number % 2 == 0 else (2, 0):
                 samples[workers].append(loader_tokens_per_s(shards, micro, seq, workers, batches))
         out[name] = {f"loader_{w}_workers": statistics.median(v) for w, v in samples.items()}
+        out[name]["rounds"] = samples
     out["smoke"]["model"] = model_tokens_per_s("smoke", steps=6, micro=None, work=work)
     if reference:  # one sample of 1024 tokens per step: a CPU step is seconds already
         out["reference-small"]["model"] = model_tokens_per_s("reference-small", 2, 1, work)
@@ -288,15 +290,51 @@ def main() -> None:
         loader = loader_rounds(corpus, work, rounds, reference=not args.quick)
         print("\nloader vs model consumption (tokens/s, this machine's CPU, fp32)")
         for name, row in loader.items():
-            model = row["model"]["tokens_per_s"]
             for workers in (0, 2):
                 rate = row[f"loader_{workers}_workers"]
+                if "model" not in row:  # --quick does not train reference-small
+                    print(f"{name:16} loader, {workers} workers: {rate:>14,.0f} tok/s")
+                    continue
+                model = row["model"]["tokens_per_s"]
                 shape = f"micro {row['model']['micro_batch_size']}, seq {row['model']['seq_len']}"
                 print(
                     f"{name:16} loader, {workers} workers: {rate:>14,.0f} tok/s = "
                     f"{rate / model:>9,.0f}x the model's {model:,.0f} tok/s ({shape})"
                 )
         print("target: loader >= 10x the model")
+        emit_rows(prep, loader, rounds, megabytes)
+
+
+def emit_rows(prep: dict[str, Any], loader: dict[str, Any], rounds: int, megabytes: float) -> None:
+    """The RESULT lines: loader rates per round, and prepare against encode_batch per round."""
+    for name, row in loader.items():
+        shape = "8 x 64" if name == "smoke" else "16 x 1024"
+        for workers in (0, 2):
+            emit(
+                f"data_throughput.loader.{name}.{workers}_workers",
+                [rate / 1e6 for rate in row["rounds"][workers]],
+                unit="M tokens/s",
+                method=f"wall-clock time, {rounds} interleaved rounds",
+                label=f"data.shards loader, {shape} micro-batches, num_workers {workers}",
+            )
+        if "model" in row:
+            emit(
+                f"data_throughput.model.{name}",
+                [row["model"]["tokens_per_s"] / 1e3],
+                unit="k tokens/s",
+                method="wall-clock time of the training steps after two warm-up steps, 1 run",
+                label=f"{name} model training on this CPU, fp32, synthetic data",
+            )
+    base = prep["tokenizers encode_batch (in memory)"]["rounds"]
+    for workers in (1, 2):
+        runs = prep[f"prepare bpe, {workers} worker{'s' if workers > 1 else ''}"]["rounds"]
+        emit(
+            f"data_throughput.prepare_bpe.{workers}_workers",
+            [(r[2] / r[0]) / (b[2] / b[0]) for r, b in zip(runs, base, strict=True)],
+            unit="x",
+            method=f"wall-clock time, {rounds} interleaved rounds, {megabytes:g} MB of JSONL",
+            label=f"prepare (BPE, {workers} worker(s)) / tokenizers encode_batch, tokens/s",
+        )
 
 
 if __name__ == "__main__":

@@ -463,6 +463,18 @@ def async_rows(steps: int, inner: int, pace: float, momentum: float) -> None:
         f"(lock-step rounds with that straggler would wait for it every round: at least "
         f"{steps * pace * 2:.1f} s for the same {steps} steps per node)"
     )
+    method = (
+        f"{NODES} nodes as threads with the real lanes, H = {inner}, {steps} steps per fast "
+        f"node, {pace * 1000:.0f} ms per step (worker-3 2x slower), 1 seed"
+    )
+    for figure, value, unit, label in (
+        ("sync_loss", sync, "nats", "held-out loss, synchronous data parallel"),
+        ("lockstep_ratio", lockstep["loss"] / sync, "x", "held-out loss, lock-step / sync"),
+        ("async_ratio", result["loss"] / sync, "x", "held-out loss, async, one slow node / sync"),
+        ("async_multi_share", share, "%", "async outer steps averaging two or more nodes"),
+        ("async_wall_s", result["wall"], "s", "wall time of the asynchronous run"),
+    ):
+        emit(f"diloco_convergence_async.{figure}", [value], unit=unit, method=method, label=label)
 
 
 # --------------------------------------------------------------------------- the table

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from results import emit
 
 from speedtronic.data import SyntheticTokenStream
 from speedtronic_diloco.config import DistributedConfig
@@ -196,6 +197,44 @@ def main() -> None:
             f"{mode:6}{steps:>6}{b50:>9.3f}{b99:>9.3f}{o50:>9.3f}{o99:>9.3f}"
             f"{b50 / o50:>10.2f}{b99 / o99:>10.2f}  {row['uploaded']}/{row['skipped']}/"
             f"{row['loaded']}"
+        )
+        size = "quick model" if args.quick else "reference transformer d_model 64"
+        method = f"wall-clock time per step, {steps} steps, H = {inner}, {size}, 1 run"
+        # Every boundary step against the median other step: the median is the p50 ratio.
+        emit(
+            f"diloco_stall.{mode}.boundary_ratio",
+            [b / o50 for b in row["boundary"]],
+            unit="x",
+            method=method,
+            label=f"{mode}: a boundary step / the median other step",
+        )
+        emit(
+            f"diloco_stall.{mode}.boundary_ms",
+            [b * 1e3 for b in row["boundary"]],
+            unit="ms",
+            method=method,
+            label=f"{mode}: boundary step time",
+        )
+        emit(
+            f"diloco_stall.{mode}.other_ms",
+            [o * 1e3 for o in row["other"]],
+            unit="ms",
+            method=method,
+            label=f"{mode}: other step time",
+        )
+        emit(
+            f"diloco_stall.{mode}.uploads",
+            [row["uploaded"]],
+            unit="uploads",
+            method=method,
+            label=f"{mode}: deltas uploaded",
+        )
+        emit(
+            f"diloco_stall.{mode}.skipped",
+            [row["skipped"]],
+            unit="boundaries",
+            method=method,
+            label=f"{mode}: boundaries skipped (an upload still in flight)",
         )
 
 

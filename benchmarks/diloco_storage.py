@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from results import emit
 
 from speedtronic_diloco.config import DistributedConfig
 from speedtronic_diloco.coordinator import DumbDiLoCoCoordinator
@@ -129,7 +130,13 @@ def run(
     return measured
 
 
-def report(title: str, bounded: dict[int, dict[str, Any]], baseline: dict[int, dict[str, Any]]):
+def report(
+    title: str,
+    bounded: dict[int, dict[str, Any]],
+    baseline: dict[int, dict[str, Any]],
+    figure: str = "",
+) -> None:
+    """Print the table; with ``figure``, also the RESULT rows of its growth ratios."""
     rounds = sorted(bounded)
     print(f"\n{title}")
     header = f"{'after round':>16}" + "".join(f"{r:>12}" for r in rounds) + f"{'last/50':>10}"
@@ -150,6 +157,30 @@ def report(title: str, bounded: dict[int, dict[str, Any]], baseline: dict[int, d
     for node in NODES:
         row(f"cache {node}", [bounded[r]["caches"][node] for r in rounds])
     print(f"{'seconds':>16}" + "".join(f"{bounded[r]['seconds']:>12.1f}" for r in rounds))
+    if not figure:
+        return
+    last, mid = rounds[-1], 50 if 50 in rounds else rounds[0]
+    method = f"bytes on disk after rounds {mid} and {last}, one deterministic run, lock-step"
+    for key, label, values in (
+        ("store", "store", bounded),
+        ("store_baseline", "store, never deleting", baseline),
+        ("metadata", "step_count.json", bounded),
+    ):
+        name = "metadata" if key == "metadata" else "store"
+        emit(
+            f"{figure}.{key}_growth",
+            [values[last][name] / values[mid][name]],
+            unit="x",
+            method=method,
+            label=f"{label}: bytes after round {last} / after round {mid}",
+        )
+    emit(
+        f"{figure}.store_bytes",
+        [bounded[last]["store"]],
+        unit="bytes",
+        method=method,
+        label=f"store bytes after round {last}, keep_outer_steps 4",
+    )
 
 
 def main() -> None:
@@ -171,7 +202,7 @@ def main() -> None:
 
         bounded = run(root / "bounded", args.rounds, 4, shared("bounded"))
         baseline = run(root / "baseline", args.rounds, NEVER, shared("baseline"))
-        report("shared directory (bytes)", bounded, baseline)
+        report("shared directory (bytes)", bounded, baseline, "diloco_storage.shared")
         if args.hub:
             results = {}
             variants = (("bounded", 4, 50), ("no squash", 4, 0), ("baseline", NEVER, 0))
@@ -186,7 +217,17 @@ def main() -> None:
                 "Hub emulator, files at the head (bytes; bounded run squashes every 50 rounds)",
                 results["bounded"][0],
                 results["baseline"][0],
+                "diloco_storage.hub",
             )
+            history = "Hub storage incl. history after the last round"
+            for name in ("bounded", "no squash", "baseline"):
+                emit(
+                    f"diloco_storage.hub.history_mb.{name.replace(' ', '_')}",
+                    [results[name][1] / 1e6],
+                    unit="MB",
+                    method="bytes the Hub emulator stores, one deterministic run",
+                    label=f"{history}: {name}",
+                )
             print(
                 f"Hub storage incl. history after {args.rounds} rounds: deletion + squash every "
                 f"50 rounds {results['bounded'][1]:,} B; deletion only "

@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 import torch
+from results import emit
 
 from speedtronic.eval import Evaluator
 from speedtronic.runtime import build_runtime
@@ -106,6 +107,21 @@ def main() -> None:
         f"median over {rounds} rounds of {steps} steps: training step time with eval on / off = "
         f"{statistics.median(step_ratios):.3f} (target <= 1.01); eval tokens/s / training "
         f"tokens/s = {statistics.median(speed_ratios):.2f}x (expect >= 2.5x)"
+    )
+    method = f"CPU time, {rounds} interleaved rounds of {steps} steps, 1 thread(s)"
+    emit(
+        "eval_overhead.step_ratio",
+        step_ratios,
+        unit="x",
+        method=method,
+        label="training CPU time per step, eval on / off",
+    )
+    emit(
+        "eval_overhead.speed_ratio",
+        speed_ratios,
+        unit="x",
+        method=method,
+        label="eval tokens per CPU second / training tokens per CPU second",
     )
 
 

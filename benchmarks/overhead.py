@@ -222,6 +222,7 @@ def compare(
         "extra_cpu_us": statistics.median((r[3] - r[2]) for r in rows) / steps * 1e6,
         "cpu_ratios": cpu_ratios,
         "extra_cpu_us_rounds": [(r[3] - r[2]) / steps * 1e6 for r in rows],
+        "base_cpu_ms_rounds": [r[2] / steps * 1e3 for r in rows],
     }
     print(f"final loss: baseline {losses[0]:.5f}, speedtronic {losses[1]:.5f}")
     return result
@@ -257,9 +258,12 @@ def compare_step_metrics(steps: int, rounds: int) -> dict[str, float]:
 
     trainer = build_runtime(config, model=fresh(), console=False).trainer
     flops_module.measure_run_flops(trainer)  # warm-up: first use loads the counter's code
-    start = time.process_time()
-    counted = flops_module.measure_run_flops(trainer)
-    count_ms = (time.process_time() - start) * 1e3
+    count_ms_rounds = []
+    for _ in range(3):
+        start = time.process_time()
+        counted = flops_module.measure_run_flops(trainer)
+        count_ms_rounds.append((time.process_time() - start) * 1e3)
+    count_ms = statistics.median(count_ms_rounds)
     with_metrics = flops_module.FlopsReport(
         counted.parameters, counted.flops_per_token, peak_tflops=1.0
     )
@@ -279,11 +283,14 @@ def compare_step_metrics(steps: int, rounds: int) -> dict[str, float]:
     ratios = [on / off for off, on in rows]
     # The same cost measured directly: what the loop adds per step record (the rates) and per
     # step (the profiler check), against the tiny model's step.
-    calls = 100_000
-    start = time.process_time()
-    for _ in range(calls):
-        with_metrics.rates(1.0e6)
-    rates_us = (time.process_time() - start) / calls * 1e6
+    calls, blocks = 20_000, 5
+    rates_us_blocks = []
+    for _ in range(blocks):
+        start = time.process_time()
+        for _ in range(calls):
+            with_metrics.rates(1.0e6)
+        rates_us_blocks.append((time.process_time() - start) / calls * 1e6)
+    rates_us = statistics.median(rates_us_blocks)
     step_us = statistics.median(off for off, _ in rows) / steps * 1e6
     quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
     return {
@@ -294,6 +301,9 @@ def compare_step_metrics(steps: int, rounds: int) -> dict[str, float]:
         "rates_us": rates_us,
         "direct_ratio": 1 + rates_us / step_us,
         "count_ms": count_ms,
+        "count_ms_rounds": count_ms_rounds,
+        "ratios": ratios,
+        "rates_us_blocks": rates_us_blocks,
     }
 
 
@@ -338,7 +348,12 @@ def compare_profile_window(steps: int, rounds: int) -> dict[str, float]:
         ratios.append(with_window / base)
         print(f"{index:>5} {base * 1e3:>8.2f} {with_window * 1e3:>9.2f} {ratios[-1]:>6.3f}")
     quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-    return {"cpu_ratio": statistics.median(ratios), "q1": quartiles[0], "q3": quartiles[2]}
+    return {
+        "cpu_ratio": statistics.median(ratios),
+        "q1": quartiles[0],
+        "q3": quartiles[2],
+        "ratios": ratios,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
@@ -406,6 +421,20 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
             method=method.format(tiny_rounds, tiny_steps),
             label="CPU time Trainer.fit adds per step, tiny model",
         )
+        emit(
+            "overhead.tiny_step_ms",
+            tiny["base_cpu_ms_rounds"],
+            unit="ms",
+            method=method.format(tiny_rounds, tiny_steps),
+            label="tiny model, hand-written loop's step CPU time",
+        )
+        emit(
+            "overhead.reference_step_ms",
+            reference["base_cpu_ms_rounds"],
+            unit="ms",
+            method=method.format(rounds, steps),
+            label="reference transformer, hand-written loop's step CPU time",
+        )
     metrics = results.get("metrics")
     if metrics is not None:
         print(
@@ -415,12 +444,42 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
             f"{metrics['direct_ratio']:.5f} on the tiny model logging every step; the FLOP "
             f"count at train start took {metrics['count_ms']:.0f} ms CPU once (tiny model)"
         )
+        emit(
+            "overhead.metrics_cpu_ratio",
+            metrics["ratios"],
+            unit="x",
+            method=f"CPU time, {len(metrics['ratios'])} interleaved rounds of {tiny_steps} "
+            f"steps, log_every 1, {args.threads} thread(s)",
+            label="tiny model, step CPU time with tflops/mfu / without",
+        )
+        emit(
+            "overhead.metrics_rates_us",
+            metrics["rates_us_blocks"],
+            unit="us",
+            method="CPU time, 5 blocks of 20,000 calls of FlopsReport.rates",
+            label="computing tflops and mfu for one step record",
+        )
+        emit(
+            "overhead.metrics_count_ms",
+            metrics["count_ms_rounds"],
+            unit="ms",
+            method="CPU time, 3 repetitions after a warm-up",
+            label="the FLOP count at train start, tiny model",
+        )
     window = results.get("profile_window")
     if window is not None:
         print(
             f"  profiler window 3..5: CPU per step after it / without it "
             f"{window['cpu_ratio']:.3f} (interquartile range {window['q1']:.3f}.."
             f"{window['q3']:.3f})"
+        )
+        emit(
+            "overhead.profile_window_ratio",
+            window["ratios"],
+            unit="x",
+            method=f"CPU time of steps 11-{steps * 2}, {rounds} interleaved rounds, "
+            f"{args.threads} thread(s)",
+            label="reference transformer, steps after a profiler window 3..5 / no window",
         )
     return results
 

@@ -37,16 +37,21 @@ RESULTS = HERE / "RESULTS.md"
 
 @dataclass(frozen=True)
 class Benchmark:
-    """One script of benchmarks/ and the arguments of its quick and full modes."""
+    """One script of benchmarks/ and the arguments of its quick and full modes.
+
+    ``name`` is the prefix of the row ids the run writes; ``script`` names the file when one
+    script has two registered modes (``checkpoint`` and ``checkpoint_stall``).
+    """
 
     name: str
     quick: tuple[str, ...] = ("--quick",)
     full: tuple[str, ...] = ()
     timeout_s: int = 3600
+    script_name: str = ""
 
     @property
     def script(self) -> Path:
-        return HERE / f"{self.name}.py"
+        return HERE / f"{self.script_name or self.name}.py"
 
 
 # The registry: every benchmark whose figures the docs quote. Append new ones here.
@@ -61,6 +66,28 @@ BENCHMARKS: list[Benchmark] = [
         "diloco_convergence",
         quick=("--quick", "--select", "synthetic/100/none/1,synthetic/100/int8/1,text/100/none/1"),
     ),
+    # The asynchronous rows (real lanes and outer thread, one node 2x slower): a few minutes.
+    Benchmark(
+        "diloco_convergence_async", script_name="diloco_convergence", quick=("--async-rows",)
+    ),
+    Benchmark("eval_overhead"),
+    # Fewer steps than the script's own quick preset: torch's default threads under load run
+    # at a fraction of a step per second, and each run is a whole `speedtronic train` process.
+    Benchmark("threads", quick=("--quick", "--steps", "8")),
+    # The smoke model only: a reference-small CPU run at 128 tokens takes tens of seconds a step.
+    Benchmark(
+        "checkpoint_stall",
+        script_name="checkpoint",
+        quick=("--stall", "--models", "smoke"),
+        full=("--stall",),
+    ),
+    Benchmark("stop_agreement"),
+    Benchmark("data_throughput"),
+    # The docs' table: 200 steps, 2 rounds (the script's --quick is a 25-step smoke test).
+    Benchmark("optimizers", quick=("--steps", "200", "--rounds", "2")),
+    # The full mode is the docs' table and takes about two minutes (mostly the 2 s requests).
+    Benchmark("diloco_stall", quick=()),
+    Benchmark("diloco_storage", quick=("--hub",)),
 ]
 
 

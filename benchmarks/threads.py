@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from results import emit
 
 VARIANTS = {"auto": "auto", "1": 1, "default": None}
 PRESETS = {"quick": (15, 2), "full": (40, 4)}  # (steps per run, rounds)
@@ -104,9 +105,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer steps and rounds")
     parser.add_argument("--hogs", type=int, default=2, help="CPU hogs in the loaded condition")
     parser.add_argument("--rounds", type=int, help="override the preset's rounds")
+    parser.add_argument("--steps", type=int, help="override the preset's steps per run")
     args = parser.parse_args()
     steps, rounds = PRESETS["quick" if args.quick else "full"]
     rounds = args.rounds or rounds
+    steps = args.steps or steps
     names = list(VARIANTS)
     rates: dict[tuple[str, str], list[float]] = {}
     used: dict[tuple[str, str], int] = {}
@@ -149,6 +152,32 @@ def main() -> None:
             f"{condition:10s} auto / default {medians['auto'] / medians['default']:.2f}, "
             f"auto / 1 {medians['auto'] / medians['1']:.2f}"
         )
+    method = (
+        f"steps/s of real train processes (wall time of the run's steps), {rounds} interleaved "
+        f"rounds of {steps} steps, {cores} cores, 1-min load {min(loads):.0f}-{max(loads):.0f}"
+    )
+    for condition in ("idle", "loaded"):
+        hogs_said = f"{args.hogs} hogs" if condition == "loaded" else "no hogs"
+        emit(
+            f"threads.{condition}.auto",
+            rates[(condition, "auto")],
+            unit="steps/s",
+            method=method,
+            label=f"run.threads: auto, steps/s, {hogs_said}",
+        )
+        for other in ("1", "default"):
+            # Per-round ratios: both runs of a round saw the same machine.
+            ratios = [
+                a / b
+                for a, b in zip(rates[(condition, "auto")], rates[(condition, other)], strict=True)
+            ]
+            emit(
+                f"threads.{condition}.auto_vs_{'one' if other == '1' else other}",
+                ratios,
+                unit="x",
+                method=method,
+                label=f"steps/s, run.threads auto / {other}, {hogs_said}",
+            )
 
 
 if __name__ == "__main__":
