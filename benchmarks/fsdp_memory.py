@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+from results import emit
 
 MODELS = {
     # 335M parameters: a 24-layer, d_model 1024 decoder with a 32k vocabulary.
@@ -187,6 +188,17 @@ def main() -> int:
                     f"MFU {cuda['mfu']:.3f}, peak {_gib(cuda['peak_bytes'])}"
                 )
     print("params: measured local shards; grads and optimizer: analytic from those shards")
+    for world in WORLD_SIZES:
+        ratios = [
+            sum(r["fsdp"].values()) / sum(r["ddp"].values()) for r in rows if r["world"] == world
+        ]
+        emit(
+            f"fsdp_memory.state_ratio_{world}_ranks",
+            ratios,
+            unit="x",
+            method=f"bytes per rank (one value per rank), {rows[0]['parameters']:,} parameters",
+            label=f"FSDP / DDP parameter + gradient + AdamW state per rank, {world} ranks",
+        )
     if worst > 0:
         print(f"FAIL: FSDP exceeds 1/N + 5% of DDP by {worst:.4f}")
         return 1

@@ -88,6 +88,8 @@ BENCHMARKS: list[Benchmark] = [
     # The full mode is the docs' table and takes about two minutes (mostly the 2 s requests).
     Benchmark("diloco_stall", quick=()),
     Benchmark("diloco_storage", quick=("--hub",)),
+    # Real FSDP sharding in 1, 2 and 4 gloo processes on the meta device; quick: 30M parameters.
+    Benchmark("fsdp_memory"),
 ]
 
 
