@@ -1,6 +1,6 @@
 """Launching ``speedtronic train`` as a test would under ``--nproc-per-node``: a probe plugin
 written next to the run (it records what each rank saw), the environment that finds it, the
-command line, and one launch that must succeed (tests/e2e/test_ddp.py, test_fsdp.py)."""
+command line, and one launch that must succeed (tests/e2e/test_ddp.py, test_fsdp_ranks.py)."""
 
 from __future__ import annotations
 
