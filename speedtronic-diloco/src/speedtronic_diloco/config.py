@@ -155,7 +155,15 @@ class DistributedConfig(Section):
         help="Master: take over the lease of another master once it has expired (waits for "
         "the expiry; the new lease has epoch + 1).",
     )
-    # --- rounds (issue 23)
+    # --- rounds (issue 23, 29)
+    rounds: Literal["async", "sync"] = option(
+        "async",
+        help="`async`: nodes never wait; a global arrives when it arrives and is installed at a "
+        "later boundary (deltas about one outer step stale). `sync`: every node waits at its "
+        "boundary for the global of that round (as DiLoCo does); the master closes a round once "
+        "every live node delivered, or after `round_timeout` without the missing ones, who "
+        "rejoin at the next round.",
+    )
     min_deltas: int | None = option(
         None,
         ge=1,
@@ -219,6 +227,14 @@ class DistributedConfig(Section):
         le=1_000_000,
         help="Master: reject deltas computed from a global more than this many outer steps "
         "behind the current one.",
+    )
+    momentum_min_nodes: int = option(
+        1,
+        ge=1,
+        le=1_000_000,
+        help="Master: a round averaging fewer distinct nodes than this steps without outer "
+        "momentum (plain SGD at outer_lr; the momentum buffer keeps its value), so a thin "
+        "round is not amplified by the momentum of the full ones.",
     )
     staleness_weighting: Literal["none", "inverse"] = option(
         "none",

@@ -23,6 +23,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
+
 from speedtronic_diloco.aggregation import (
     AggregationRules,
     CheckedDelta,
@@ -43,10 +45,18 @@ log = logging.getLogger("speedtronic.diloco.outer")
 
 
 def nesterov_step(
-    params: TensorDict, grads: TensorDict, momentum_buffers: TensorDict, lr: float, momentum: float
+    params: TensorDict,
+    grads: TensorDict,
+    momentum_buffers: TensorDict,
+    lr: float,
+    momentum: float,
+    *,
+    use_momentum: bool = True,
 ) -> tuple[TensorDict, TensorDict]:
     """One SGD step with Nesterov momentum; returns new ``(params, buffers)`` and leaves the
-    inputs untouched (readers may still hold them)."""
+    inputs untouched (readers may still hold them). Without ``use_momentum`` (a thin round)
+    the step is plain SGD and every buffer keeps its value (zeros where there was none, which
+    the next step treats exactly like a missing buffer)."""
     new_params = dict(params)
     new_buffers: TensorDict = {}
     for name, grad in grads.items():
@@ -54,6 +64,10 @@ def nesterov_step(
         work = compute_dtype(param.dtype)
         g = grad.to(work)
         previous = momentum_buffers.get(name)
+        if not use_momentum:
+            new_params[name] = (param.to(work) - lr * g).to(param.dtype)
+            new_buffers[name] = torch.zeros_like(g) if previous is None else previous.to(work)
+            continue
         buf = g.clone() if previous is None else previous.to(work) * momentum + g
         update = g + momentum * buf if momentum else g
         new_params[name] = (param.to(work) - lr * update).to(param.dtype)
@@ -89,6 +103,8 @@ class RoundResult:
     reasons: tuple[str, ...] = ()  # per rejected delta
     halted: bool = False
     eval_loss: float | None = None
+    mode: str = "async"  # distributed.rounds
+    momentum_applied: bool = True  # False: a thin round, plain SGD (momentum_min_nodes)
     # What the loop records, reports and keeps (not part of the result's value):
     state: OuterState | None = field(default=None, compare=False, repr=False)
     problem: str | None = field(default=None, compare=False, repr=False)
@@ -127,6 +143,9 @@ class RoundResult:
                 "base_outer_steps": list(self.base_outer_steps),
                 "waited_s": round(self.waited_s, 3),
                 "reason": self.reason,
+                "mode": self.mode,
+                "staleness": list(self.staleness),
+                "momentum": self.momentum_applied,
             },
             **({"eval_loss": self.eval_loss} if self.eval_loss is not None else {}),
         }
@@ -176,6 +195,7 @@ def run_round(
     refused.extend((delta.info, Rejection.of(why)) for delta, why in late)
     contributions = [c for group in groups.values() for c in group]
     candidate: tuple[TensorDict, TensorDict] | None = None
+    full = True
     problem: str | None = None
     eval_loss: float | None = None
     if contributions:
@@ -189,8 +209,14 @@ def run_round(
             for j, group in groups.items()
         }
 
+        # A thin round (few nodes) moves the global by its own pseudo-gradient only: under
+        # momentum one node's noisy delta would keep pushing for the rounds after it.
+        full = len({c.node_id for c in contributions}) >= rules.momentum_min_nodes
+
         def step(params: TensorDict, g: TensorDict, m: TensorDict) -> tuple[TensorDict, TensorDict]:
-            return nesterov_step(params, g, m, policy.outer_lr, policy.outer_momentum)
+            return nesterov_step(
+                params, g, m, policy.outer_lr, policy.outer_momentum, use_momentum=full
+            )
 
         params, buffers, _ = step_fragments(
             step, floating_only(reference), grads, state.momentum, [0] * book.count
@@ -227,6 +253,8 @@ def run_round(
         reasons=tuple(why.reason for _, why in refused),
         halted=problem is not None,
         eval_loss=eval_loss,
+        mode=rules.rounds,
+        momentum_applied=full and bool(contributions),
         state=after,
         problem=problem,
         refusals=tuple(refused),
