@@ -85,6 +85,7 @@ class AggregationRules:
     keep_history: int = 5
     rounds: str = "async"
     momentum_min_nodes: int = 1
+    momentum_staleness: str = "none"
     signing_key: bytes | None = field(default=None, repr=False)
 
     @classmethod
@@ -103,6 +104,7 @@ class AggregationRules:
             keep_history=config.keep_history,
             rounds=config.rounds,
             momentum_min_nodes=config.momentum_min_nodes,
+            momentum_staleness=config.momentum_staleness,
             signing_key=signing_key,
         )
 

@@ -236,6 +236,12 @@ class DistributedConfig(Section):
         "momentum (plain SGD at outer_lr; the momentum buffer keeps its value), so a thin "
         "round is not amplified by the momentum of the full ones.",
     )
+    momentum_staleness: Literal["none", "inverse"] = option(
+        "none",
+        help="Master: `inverse`: a round's outer momentum is outer_momentum / (1 + the mean "
+        "staleness of its contributions), so stale (asynchronous) rounds get less momentum "
+        "and fresh (sync) rounds all of it; `none`: outer_momentum always.",
+    )
     staleness_weighting: Literal["none", "inverse"] = option(
         "none",
         help="Master, `mean`: weight each contribution by 1 / (1 + staleness), renormalised.",

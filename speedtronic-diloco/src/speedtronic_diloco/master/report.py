@@ -113,7 +113,7 @@ class Reporter:
                 "waited_s": round(result.waited_s, 3),
                 "reason": result.reason,
                 "mode": result.mode,
-                "momentum": result.momentum_applied,
+                "momentum": result.momentum if result.momentum_applied else 0.0,
                 "norms": ",".join(f"{c.norm:.4g}" for c in contributions),
                 "norm_threshold": result.threshold,
                 "clipped": ",".join(clipped),
