@@ -83,9 +83,10 @@ class DistributedConfig(Section):
     )
     outer_momentum: float = option(0.9, ge=0, lt=1, help="Momentum of the outer Nesterov SGD.")
     reset_inner_optimizer: bool = option(
-        True,
+        False,
         help="Clear the inner optimizer's state whenever a delta is pushed or a new global "
-        "is installed.",
+        "is installed. Off by default: keeping each node's AdamW state (as DiLoCo and torchft "
+        "do) measured better (docs/diloco.md, What we measured).",
     )
     async_delta_upload: bool = option(
         True,
