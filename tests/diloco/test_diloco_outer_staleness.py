@@ -122,12 +122,17 @@ def test_a_thin_round_is_plain_sgd_and_keeps_the_buffer(
 # --------------------------------------------------------------------------- the merge rule
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_a_late_global_keeps_the_nodes_work_exactly_once(tmp_path: Path, seed: int) -> None:
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+@pytest.mark.parametrize("seed", range(2))
+def test_a_late_global_keeps_the_nodes_work_exactly_once(
+    tmp_path: Path, seed: int, scale: float
+) -> None:
     """One node, outer lr 1 and no momentum: the global is the start plus every aggregated
-    delta, so at every step the node's weights must be the start plus all of its own work
-    (each nudge once: none lost, none twice), whenever the rounds run and however late the
-    globals it installs are."""
+    delta, so (``own_progress_scale`` 1) at every step the node's weights must be the start
+    plus all of its own work (each nudge once: none lost, none twice), whenever the rounds run
+    and however late the globals it installs are. With a smaller scale the node keeps less of
+    its pending deltas locally, but what it sends is still every nudge exactly once: the final
+    global holds all of its work, once."""
     rng = random.Random(seed)
     store = MemoryTransport()
     start = {k: v for k, v in cpu_state_dict(make_net().state_dict()).items()}
@@ -135,13 +140,18 @@ def test_a_late_global_keeps_the_nodes_work_exactly_once(tmp_path: Path, seed: i
     assert master.publish() is not None
     model = make_net()
     node = DumbDiLoCoCoordinator(
-        dist_config(inner_steps=2, keep_own_progress=True, install_at="boundary"),
+        dist_config(
+            inner_steps=2,
+            keep_own_progress=True,
+            install_at="boundary",
+            own_progress_scale=scale,
+        ),
         model,
         hub=store,
         state_dir=tmp_path / "node",
     )
     node.start()
-    work = 0.0
+    work = lag = 0.0
     installs = 0
     for step in range(1, 41):
         amount = rng.uniform(0.001, 0.02)
@@ -151,14 +161,19 @@ def test_a_late_global_keeps_the_nodes_work_exactly_once(tmp_path: Path, seed: i
         node.after_optimizer_step(model, step)
         installs += node.last_global_step > before
         for name, value in model.state_dict().items():
-            if value.is_floating_point():
+            if not value.is_floating_point():
+                continue
+            if scale == 1.0:
                 torch.testing.assert_close(value, start[name] + work, msg=f"step {step} {name}")
+            else:  # it kept only part of its pending deltas: behind its own work
+                lag = max(lag, float((start[name] + work - value).max()))
         if step % 2 == 0 and rng.random() < 0.6:
             master.run_round()  # a round now, or only after a later boundary: late globals
     node.stop()
     master.run_round()
     final = master.snapshot()
     assert final is not None and installs >= 3
+    assert (lag > 1e-4) == (scale < 1.0)
     for name, value in final[1].items():
         if value.is_floating_point():
             torch.testing.assert_close(value, start[name] + work)

@@ -191,6 +191,14 @@ class DistributedConfig(Section):
         "its last delta yet keeps that progress (global minus its own pending deltas) instead "
         "of learning it again from an older state; false: install the global exactly.",
     )
+    own_progress_scale: float = option(
+        1.0,
+        gt=0,
+        le=1,
+        help="With `keep_own_progress`: the fraction of its own not-yet-aggregated deltas a node "
+        "keeps on top of a global it installs. 1: all of it; `outer_lr` (for example 0.7): "
+        "about where the outer step will put the global once it holds them (an eager update).",
+    )
     eval_globals: bool | None = option(
         None,
         help="Master: score every new global on the held-out eval data before publishing it "

@@ -145,7 +145,10 @@ class DumbDiLoCoCoordinator:
         # With sync rounds a node installs the global its delta went into: nothing of its own
         # is missing from it (a node dropped from a round takes the newest global as it is).
         keep = self.config.keep_own_progress and self.config.rounds == "async"
-        own = OwnProgress(self.ctx.book.own_progress(keep and self.config.install_at == "boundary"))
+        own = OwnProgress(
+            self.ctx.book.own_progress(keep and self.config.install_at == "boundary"),
+            self.config.own_progress_scale,
+        )
         self.uploads = Uploads(self.ctx, own)
         self.installer = Installer(self.ctx, own, lambda: self.outer)
         self.pending = PendingUpload(self.ctx)
