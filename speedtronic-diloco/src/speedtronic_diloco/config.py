@@ -191,13 +191,13 @@ class DistributedConfig(Section):
         "its last delta yet keeps that progress (global minus its own pending deltas) instead "
         "of learning it again from an older state; false: install the global exactly.",
     )
-    own_progress_scale: float = option(
-        1.0,
+    own_progress_scale: float | None = option(
+        None,
         gt=0,
         le=1,
         help="With `keep_own_progress`: the fraction of its own not-yet-aggregated deltas a node "
-        "keeps on top of a global it installs. 1: all of it; `outer_lr` (for example 0.7): "
-        "about where the outer step will put the global once it holds them (an eager update).",
+        "keeps on top of a global it installs. Default `outer_lr` (at most 1): about where the "
+        "outer step will put the global once it holds them (an eager update); 1: all of it.",
     )
     eval_globals: bool | None = option(
         None,

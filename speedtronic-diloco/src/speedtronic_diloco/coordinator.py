@@ -147,7 +147,7 @@ class DumbDiLoCoCoordinator:
         keep = self.config.keep_own_progress and self.config.rounds == "async"
         own = OwnProgress(
             self.ctx.book.own_progress(keep and self.config.install_at == "boundary"),
-            self.config.own_progress_scale,
+            self.config.own_progress_scale or min(self.config.outer_lr, 1.0),
         )
         self.uploads = Uploads(self.ctx, own)
         self.installer = Installer(self.ctx, own, lambda: self.outer)
