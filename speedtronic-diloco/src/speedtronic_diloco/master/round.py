@@ -10,9 +10,13 @@ nesterov=True)`` applied to the averaged pseudo-gradient (:func:`nesterov_step`)
     global -= outer_lr * (g + momentum * buf)
 
 The round screens the deltas per fragment (staleness, norm outliers, one vote per node:
-:func:`~speedtronic_diloco.aggregation.screen_round`), averages each fragment's contributions,
+:func:`~speedtronic_diloco.aggregation.screen_round`; with ``rounds: sync`` only deltas of the
+current global, the others refused as ``late``), averages each fragment's contributions,
 steps each fragment once, and checks the candidate global (finite, bounded update, finite
-held-out loss): a bad candidate is refused and the result says the loop halts.
+held-out loss): a bad candidate is refused and the result says the loop halts. A round of
+fewer than ``momentum_min_nodes`` distinct nodes steps without momentum (the buffer kept as
+it was); ``momentum_staleness: inverse`` divides the round's momentum by 1 + the mean
+staleness of its contributions (:func:`round_momentum`).
 """
 
 from __future__ import annotations
