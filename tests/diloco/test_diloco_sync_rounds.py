@@ -210,3 +210,8 @@ def test_rounds_key_is_validated(rounds_mode: str) -> None:
         from speedtronic_diloco.config import distributed_config
 
         distributed_config({"distributed": {"rounds": "lockstep"}})
+    if rounds_mode == "sync":
+        with pytest.raises(ConfigError, match="rounds"):
+            dist_config(rounds="sync", inner_steps=4, fragments=2)
+    else:
+        assert dist_config(rounds="async", inner_steps=4, fragments=2).fragments == 2

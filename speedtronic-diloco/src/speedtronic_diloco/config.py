@@ -331,6 +331,12 @@ class DistributedConfig(Section):
             raise ConfigError(
                 f"must be below num_nodes ({self.num_nodes}), got {self.node_rank}", "node_rank"
             )
+        if self.rounds == "sync" and self.fragments > 1:
+            raise ConfigError(
+                "streaming fragments (fragments > 1) work with async rounds only; set rounds: "
+                "async or fragments: 1",
+                "rounds",
+            )
         if self.fragments > self.inner_steps:
             raise ConfigError(
                 f"must be at most inner_steps ({self.inner_steps}), got {self.fragments}",
