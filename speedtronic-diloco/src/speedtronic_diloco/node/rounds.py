@@ -24,12 +24,15 @@ __all__ = ["SYNC_POLL_S", "await_first_global", "await_round"]
 log = logging.getLogger("speedtronic.diloco")
 
 #: The longest pause between two looks for the round's global (``poll_interval`` when that is
-#: shorter).
-SYNC_POLL_S = 0.1
+#: shorter): a waiting node notices its round's global within a second even when it polls the
+#: store rarely between boundaries, without reading a Hub's metadata many times a second.
+SYNC_POLL_S = 1.0
+#: The shortest pause (``poll_interval: 0`` would spin).
+SYNC_POLL_MIN_S = 0.05
 
 
 def _interval(ctx: NodeContext) -> float:
-    return min(ctx.config.poll_interval, SYNC_POLL_S) or SYNC_POLL_S
+    return max(SYNC_POLL_MIN_S, min(ctx.config.poll_interval, SYNC_POLL_S))
 
 
 def await_first_global(ctx: NodeContext) -> Any:
