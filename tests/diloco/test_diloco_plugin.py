@@ -209,7 +209,8 @@ def test_master_training_run_through_hooks(tmp_path: Path, recorder: RunRecorder
     assert coordinator is not None and not coordinator.started  # stopped at train end
     assert coordinator_of(trainer) is None and trainer.plugin_state == {}  # dropped after the run
     assert coordinator.state_root == tmp_path / "run" / "diloco" / "m"
-    assert trainer.reset_optimizer_on_weight_replace is True
+    assert trainer.reset_optimizer_on_weight_replace is False  # reset_inner_optimizer: false
+    assert trainer.optimizer.state  # the default keeps the inner AdamW state
     assert trainer.weights_replaced >= 3  # one push per boundary
     store = SharedDirectoryTransport(tmp_path / "store")
     assert store.read_global_metadata() is not None
@@ -224,14 +225,13 @@ def test_master_training_run_through_hooks(tmp_path: Path, recorder: RunRecorder
     assert "outer" in saved and "baseline" in saved
 
 
-def test_reset_inner_optimizer_switch(tmp_path: Path) -> None:
+def test_reset_inner_optimizer_switch_on(tmp_path: Path) -> None:
     runtime = build_runtime(
-        config_dict(tmp_path, reset_inner_optimizer=False, role="worker", node_id="w"),
+        config_dict(tmp_path, reset_inner_optimizer=True, role="worker", node_id="w"),
         console=False,
     )
     runtime.trainer.fit()
-    assert runtime.trainer.reset_optimizer_on_weight_replace is False
-    assert runtime.trainer.optimizer.state  # never cleared
+    assert runtime.trainer.reset_optimizer_on_weight_replace is True
 
 
 def test_a_node_with_fsdp_is_refused_before_its_first_step(tmp_path: Path) -> None:

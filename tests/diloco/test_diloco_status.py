@@ -128,6 +128,10 @@ def test_status_json_reports_the_run_and_reads_only(
     assert report["publication_age_s"] is not None and report["publication_age_s"] < WAIT
     assert report["store_bytes"] > 0
     assert report["eval_loss"] is None  # not evaluated in this run: shown as "-"
+    # The published round: its mode and the staleness of each included delta (b's was rejected;
+    # a's was computed from outer step 0 and went into outer step 2).
+    assert report["last_round"]["mode"] == "async"
+    assert report["last_round"]["nodes"] == ["a"] and report["last_round"]["staleness"] == [1]
     nodes = {row["node_id"]: row for row in report["nodes"]}
     assert set(nodes) == {"a", "b", "c"}
     assert nodes["a"]["last_delta_step"] == 10 and nodes["a"]["accepted"] == 2
@@ -154,6 +158,7 @@ def test_status_table_and_a_bounded_watch(
     for expected in ("lease        m (epoch 1, expires in", "eval loss    -", "last rejection"):
         assert expected in out, out
     assert "non_finite" in out
+    assert "last round   async, 1 node, staleness 1 (mean 1)" in out, out
     lines = [line for line in out.splitlines() if line.startswith("│ c")]
     assert lines and " - " in lines[0]  # c: nothing recorded by the ledger yet
 

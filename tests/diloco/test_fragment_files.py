@@ -540,7 +540,7 @@ def test_status_lists_the_fragment_files(tmp_path: Path) -> None:
 def test_bf16_fragment_files_are_installed_in_the_model_dtype(tmp_path: Path) -> None:
     store = shared(tmp_path)
     loop = master_loop(store, tmp_path)
-    loop.global_compression = "bf16"
+    loop.publisher.compression = "bf16"  # distributed.global_compression
     first = loop.publish()
     assert first is not None
     tensors, header = load_tensors(tmp_path / "store" / first.fragment_files[1].file)

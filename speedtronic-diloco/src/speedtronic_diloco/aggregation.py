@@ -89,6 +89,9 @@ class AggregationRules:
     staleness_weighting: str = "none"
     max_update_ratio: float = 10.0
     keep_history: int = 5
+    rounds: str = "async"
+    momentum_min_nodes: int = 1
+    momentum_staleness: str = "none"
     signing_key: bytes | None = field(default=None, repr=False)
 
     @classmethod
@@ -105,6 +108,9 @@ class AggregationRules:
             staleness_weighting=config.staleness_weighting,
             max_update_ratio=config.max_update_ratio,
             keep_history=config.keep_history,
+            rounds=config.rounds,
+            momentum_min_nodes=config.momentum_min_nodes,
+            momentum_staleness=config.momentum_staleness,
             signing_key=signing_key,
         )
 
@@ -112,7 +118,7 @@ class AggregationRules:
 class DeltaRejected(Exception):
     """A delta failed a check: ``reason`` is a short code (``too_large``, ``unsigned``,
     ``bad_signature``, ``unreadable``, ``name_mismatch``, ``keys``, ``shape``, ``dtype``,
-    ``non_finite``, ``stale``, ``norm_outlier``), ``norm`` its L2 norm when known."""
+    ``non_finite``, ``stale``, ``late``, ``norm_outlier``), ``norm`` its L2 norm when known."""
 
     def __init__(self, reason: str, message: str, norm: float | None = None) -> None:
         self.reason = reason
@@ -334,8 +340,18 @@ def screen_round(
     Returns ``(contributions, rejected, threshold)``."""
     rejected: list[tuple[CheckedDelta, DeltaRejected]] = []
     by_node: dict[str, list[CheckedDelta]] = {}
+    sync = rules.rounds == "sync"
     for delta in deltas:
         staleness = delta.staleness(outer_step)
+        if sync and staleness > 0:
+            # Its round closed without it (round_timeout): the node installs the newest
+            # global and is back in the next round; applying it now would apply a stale step.
+            why = (
+                f"computed from outer step {delta.base_outer_step}, whose round closed without "
+                "it (rounds: sync)"
+            )
+            rejected.append((delta, DeltaRejected("late", why, delta.norm)))
+            continue
         if staleness > rules.max_staleness:
             rejected.append(
                 (
@@ -536,8 +552,11 @@ class RoundPolicy:
         *,
         clock: Callable[[], float] = time.monotonic,
         recent_s: float | None = None,
+        rounds: str = "async",
     ) -> None:
         self.min_deltas = min_deltas
+        self.rounds = rounds
+        self._ever: set[str] = set()  # every node seen since the start
         self.round_timeout = round_timeout
         self.recent_s = recent_s if recent_s is not None else 2 * round_timeout
         self.clock = clock
@@ -548,6 +567,7 @@ class RoundPolicy:
     def saw(self, node_id: str) -> None:
         """A new delta of ``node_id`` was listed now."""
         self._seen[node_id] = self.clock()
+        self._ever.add(node_id)
 
     def rejected(self, node_id: str) -> None:
         """``node_id``'s delta was rejected: it is not waited for, nor counted toward a
@@ -570,9 +590,17 @@ class RoundPolicy:
         }
 
     def needed(self) -> int:
+        """How many nodes a round waits for. ``rounds: sync``: every live node (seen within
+        ``recent_s``, its last delta not rejected); ``min_deltas`` is then only what the first
+        rounds wait for, until that many nodes were ever seen, so that a node that died later
+        stops costing a ``round_timeout`` per round once it is no longer live."""
+        live = len(self.recent_nodes())
+        if self.rounds == "sync":
+            floor = self.min_deltas or 1
+            return max(live, floor) if len(self._ever) < floor else max(1, live)
         if self.min_deltas is not None:
             return self.min_deltas
-        return max(1, len(self.recent_nodes()))
+        return max(1, live)
 
     def waited(self) -> float:
         return 0.0 if self._since is None else self.clock() - self._since

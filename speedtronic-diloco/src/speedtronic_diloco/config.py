@@ -83,9 +83,10 @@ class DistributedConfig(Section):
     )
     outer_momentum: float = option(0.9, ge=0, lt=1, help="Momentum of the outer Nesterov SGD.")
     reset_inner_optimizer: bool = option(
-        True,
+        False,
         help="Clear the inner optimizer's state whenever a delta is pushed or a new global "
-        "is installed.",
+        "is installed. Off by default: keeping each node's AdamW state (as DiLoCo and torchft "
+        "do) measured better (docs/diloco.md, What we measured).",
     )
     async_delta_upload: bool = option(
         True,
@@ -155,7 +156,15 @@ class DistributedConfig(Section):
         help="Master: take over the lease of another master once it has expired (waits for "
         "the expiry; the new lease has epoch + 1).",
     )
-    # --- rounds (issue 23)
+    # --- rounds (issue 23, 29)
+    rounds: Literal["async", "sync"] = option(
+        "async",
+        help="`async`: nodes never wait; a global arrives when it arrives and is installed at a "
+        "later boundary (deltas about one outer step stale). `sync`: every node waits at its "
+        "boundary for the global of that round (as DiLoCo does); the master closes a round once "
+        "every live node delivered, or after `round_timeout` without the missing ones, who "
+        "rejoin at the next round.",
+    )
     min_deltas: int | None = option(
         None,
         ge=1,
@@ -181,6 +190,14 @@ class DistributedConfig(Section):
         help="With `install_at: boundary`: a node installing a global that does not contain "
         "its last delta yet keeps that progress (global minus its own pending deltas) instead "
         "of learning it again from an older state; false: install the global exactly.",
+    )
+    own_progress_scale: float | None = option(
+        None,
+        gt=0,
+        le=1,
+        help="With `keep_own_progress`: the fraction of its own not-yet-aggregated deltas a node "
+        "keeps on top of a global it installs. Default `outer_lr` (at most 1): about where the "
+        "outer step will put the global once it holds them (an eager update); 1: all of it.",
     )
     eval_globals: bool | None = option(
         None,
@@ -219,6 +236,20 @@ class DistributedConfig(Section):
         le=1_000_000,
         help="Master: reject deltas computed from a global more than this many outer steps "
         "behind the current one.",
+    )
+    momentum_min_nodes: int = option(
+        1,
+        ge=1,
+        le=1_000_000,
+        help="Master: a round averaging fewer distinct nodes than this steps without outer "
+        "momentum (plain SGD at outer_lr; the momentum buffer keeps its value), so a thin "
+        "round is not amplified by the momentum of the full ones.",
+    )
+    momentum_staleness: Literal["none", "inverse"] = option(
+        "none",
+        help="Master: `inverse`: a round's outer momentum is outer_momentum / (1 + the mean "
+        "staleness of its contributions), so stale (asynchronous) rounds get less momentum "
+        "and fresh (sync) rounds all of it; `none`: outer_momentum always.",
     )
     staleness_weighting: Literal["none", "inverse"] = option(
         "none",
@@ -299,6 +330,12 @@ class DistributedConfig(Section):
         if self.num_nodes is not None and (self.node_rank or 0) >= self.num_nodes:
             raise ConfigError(
                 f"must be below num_nodes ({self.num_nodes}), got {self.node_rank}", "node_rank"
+            )
+        if self.rounds == "sync" and self.fragments > 1:
+            raise ConfigError(
+                "streaming fragments (fragments > 1) work with async rounds only; set rounds: "
+                "async or fragments: 1",
+                "rounds",
             )
         if self.fragments > self.inner_steps:
             raise ConfigError(

@@ -66,6 +66,7 @@ from speedtronic_diloco.node.context import NodeContext
 from speedtronic_diloco.node.install import Installer
 from speedtronic_diloco.node.lanes import Lane, Uploads, clear_pending
 from speedtronic_diloco.node.resume import PendingUpload
+from speedtronic_diloco.node.rounds import await_first_global, await_round
 from speedtronic_diloco.node.state import NodeState, from_checkpoint, to_checkpoint
 from speedtronic_diloco.retry import RetryPolicy
 from speedtronic_diloco.signing import resolve_key
@@ -141,10 +142,12 @@ class DumbDiLoCoCoordinator:
             key=resolve_key(self.config.signing_key),
         )
         self.outer: MasterOuterLoop | None = None
+        # With sync rounds a node installs the global its delta went into: nothing of its own
+        # is missing from it (a node dropped from a round takes the newest global as it is).
+        keep = self.config.keep_own_progress and self.config.rounds == "async"
         own = OwnProgress(
-            self.ctx.book.own_progress(
-                self.config.keep_own_progress and self.config.install_at == "boundary"
-            )
+            self.ctx.book.own_progress(keep and self.config.install_at == "boundary"),
+            self.config.own_progress_scale or min(self.config.outer_lr, 1.0),
         )
         self.uploads = Uploads(self.ctx, own)
         self.installer = Installer(self.ctx, own, lambda: self.outer)
@@ -246,6 +249,8 @@ class DumbDiLoCoCoordinator:
             self.ctx.stop,
             then="training on local weights",
         )
+        if read and metadata is None and self.config.rounds == "sync":
+            metadata = await_first_global(self.ctx)
         if read and metadata is None:
             log.info("no global weights published yet; training on local weights")
         if metadata is None:
@@ -345,7 +350,18 @@ class DumbDiLoCoCoordinator:
         self._due = self.ctx.book.due(step)  # one fragment: (0,) when step % inner_steps == 0
         boundary = bool(self._due) or final
         if boundary:
+            base = self.ctx.state.last_global_step
             pushed = self._boundary_upload(step, final)
+            if pushed and not final and self.config.rounds == "sync":
+                loaded = await_round(
+                    self.ctx,
+                    self.installer,
+                    self.model,
+                    base,
+                    self._due,
+                    self.outer,
+                    self._poll_lane,
+                )
         install = not final and (boundary or self.config.install_at == "any")
         if install:
             loaded = self.installer.install_ready(self.model, self._due)
@@ -358,7 +374,8 @@ class DumbDiLoCoCoordinator:
 
     def _boundary_upload(self, step: int, final: bool = False) -> bool:
         lane = self._upload_lane
-        if lane is not None and lane.busy and final:  # the last delta is never skipped
+        # The last delta is never skipped, nor any with sync rounds (the round waits for it).
+        if lane is not None and lane.busy and (final or self.config.rounds == "sync"):
             lane.wait_idle(self.config.round_timeout)
         if lane is not None and lane.busy:
             log.info("step %d: previous delta upload still in flight; skipping this one", step)

@@ -62,6 +62,9 @@ class RunStatus:
     lease: dict[str, Any] | None = None
     store_bytes: int | None = None
     fragment_files: list[dict[str, Any]] = field(default_factory=list)
+    #: The published global's round: ``mode`` (sync / async), ``nodes``, ``staleness`` (per
+    #: included delta), ``reason``, ``momentum`` (the outer momentum it stepped with).
+    last_round: dict[str, Any] | None = None
     nodes: list[dict[str, Any]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
@@ -85,6 +88,7 @@ class RunStatus:
             "eval_loss": self.eval_loss,
             "lease": self.lease,
             "store_bytes": self.store_bytes,
+            "last_round": self.last_round,
             "nodes": self.nodes,
             "problems": self.problems,
             **({"fragment_files": self.fragment_files} if self.fragment_files else {}),
@@ -117,6 +121,7 @@ def collect_status(transport: Any, now: float | None = None) -> RunStatus:
             loss = metadata.extra.get("eval_loss")
         status.eval_loss = _finite(loss)
         status.fragment_files = [entry.to_json() for entry in metadata.fragment_files]
+        status.last_round = _last_round(metadata.extra.get("round"))
     try:
         lease = transport.read_lease()
     except UnsupportedOperation:
@@ -184,6 +189,46 @@ def _node_rows(metadata: Any, listing: list[Any], now: float) -> list[dict[str, 
             }
         )
     return rows
+
+
+def _last_round(entry: Any) -> dict[str, Any] | None:
+    """The published ``round`` entry, checked field by field (the metadata may be forged or
+    written by an older master: what does not fit is left out)."""
+    if not isinstance(entry, dict):
+        return None
+    out: dict[str, Any] = {}
+    if entry.get("mode") in ("sync", "async"):
+        out["mode"] = entry["mode"]
+    nodes = entry.get("nodes")
+    if isinstance(nodes, list) and all(isinstance(n, str) for n in nodes):
+        out["nodes"] = nodes
+    staleness = entry.get("staleness")
+    if isinstance(staleness, list) and all(
+        isinstance(x, int) and not isinstance(x, bool) for x in staleness
+    ):
+        out["staleness"] = staleness
+    if isinstance(entry.get("reason"), str):
+        out["reason"] = entry["reason"][:40]
+    momentum = _finite(entry.get("momentum"))
+    if momentum is not None and not isinstance(entry.get("momentum"), bool):
+        out["momentum"] = momentum
+    return out or None
+
+
+def _round_line(entry: dict[str, Any]) -> str:
+    nodes = entry.get("nodes")
+    staleness = entry.get("staleness")
+    parts = [entry.get("mode", DASH)]
+    if nodes is not None:
+        parts.append(f"{len(nodes)} node{'' if len(nodes) == 1 else 's'}")
+    if staleness:
+        mean = sum(staleness) / len(staleness)
+        parts.append(f"staleness {','.join(map(str, staleness))} (mean {mean:.2g})")
+    if "momentum" in entry:
+        parts.append(f"momentum {entry['momentum']:.3g}")
+    if "reason" in entry:
+        parts.append(entry["reason"])
+    return ", ".join(parts)
 
 
 def _staleness(metadata: Any, base: Any) -> int | None:
@@ -264,6 +309,7 @@ def summary_lines(status: RunStatus) -> list[str]:
         f"outer step   {_cell(status.outer_step)}{by}",
         f"published    {published}",
         f"eval loss    {_cell(status.eval_loss)}",
+        f"last round   {_round_line(status.last_round) if status.last_round else DASH}",
         f"lease        {holder}",
         f"store size   {_size(status.store_bytes)}",
     ]
@@ -350,10 +396,20 @@ def history_panels(history: Any, status: RunStatus | None = None) -> list[Any]:
         )
     if not loss.lines:
         loss.note = "no evaluation of the global (eval not configured)"
-    nodes = Panel("nodes per round", "outer step", "nodes")
+    nodes = Panel("nodes and staleness per round", "outer step", "nodes / outer steps")
     x, y = per_round("outer_step", "nodes_included")
     if y:
         nodes.lines.append(Line(x, y, "nodes included", markers=True, color="C1"))
+    stale: dict[int, float] = {}
+    for record in history.events("outer_step"):
+        step, values = record.get("outer_step"), str(record.get("staleness") or "").split(",")
+        if isinstance(step, int) and all(v.isdigit() for v in values):
+            stale[step] = sum(int(v) for v in values) / len(values)
+    if stale:
+        steps = sorted(stale)
+        xs, ys = [float(s) for s in steps], [stale[s] for s in steps]
+        line = Line(xs, ys, "mean staleness", markers=True, color="C4")
+        nodes.lines.append(line)
     received = Panel("delta bytes per round", "outer step", "MiB received")
     x, y = per_round("outer_step", "bytes_received", 1 / 2**20)
     if y:

@@ -167,6 +167,18 @@ class Intake:
         good = {o.delta.node_id for o in waiting if isinstance(o, Fetched)}
         return {o.info.node_id for o in waiting if isinstance(o, Refused)} - good
 
+    def fresh(self, new: Iterable[DeltaInfo], current: int, excluded: Collection[str]) -> set[str]:
+        """``rounds: sync``: the nodes (but ``excluded``) with a checked delta of ``new``
+        waiting that was computed from the ``current`` global (an unknown base counts as
+        ``current``): the ones delivered for the round now open."""
+        nodes = set()
+        for outcome in self.waiting(info.key for info in new):
+            if isinstance(outcome, Fetched):
+                delta = outcome.delta
+                if delta.base_outer_step is None or delta.base_outer_step >= current:
+                    nodes.add(delta.node_id)
+        return nodes - set(excluded)
+
     def take(self, info: DeltaInfo) -> Intaken | None:
         """The waiting outcome of ``info`` (removed), if it was fetched at its listed etag."""
         early = self._waiting.pop(info.key, None)

@@ -83,7 +83,9 @@ class MasterOuterLoop(OuterStateKeeper):
         self.outer_momentum = outer_momentum
         self.rules = rules or AggregationRules()
         super().__init__(node_id, state_dir, self.rules.keep_history, fragments)
-        self.policy = RoundPolicy(self.rules.min_deltas, self.rules.round_timeout, clock=clock)
+        self.policy = RoundPolicy(
+            self.rules.min_deltas, self.rules.round_timeout, clock=clock, rounds=self.rules.rounds
+        )
         #: ``evaluate(global weights) -> held-out loss``; called before each publication.
         self.evaluate = evaluate
         #: The master's lease (:class:`~speedtronic_diloco.lease.LeaseKeeper`), or None.
@@ -133,15 +135,6 @@ class MasterOuterLoop(OuterStateKeeper):
     @retry.setter
     def retry(self, value: RetryPolicy) -> None:
         self.intake.retry = self.publisher.retry = value
-
-    @property
-    def global_compression(self) -> str:
-        """The codec of published globals (``distributed.global_compression``)."""
-        return self.publisher.compression
-
-    @global_compression.setter
-    def global_compression(self, value: str) -> None:
-        self.publisher.compression = value
 
     # ----------------------------------------------------------------- publication
     def publish(self, deltas_included: int = 0) -> GlobalMetadata | None:
@@ -193,7 +186,9 @@ class MasterOuterLoop(OuterStateKeeper):
         """One turn of the outer thread: list the store, fetch and check the new deltas (kept
         on disk until their round), ask the round policy, and run a round when it says so:
         ``min_deltas`` distinct nodes pending with the same, newest base outer step (the
-        quorum), or ``round_timeout`` since the first pending delta."""
+        quorum), or ``round_timeout`` since the first pending delta. With ``rounds: sync``:
+        every live node has a delta computed from the current global pending, or
+        ``round_timeout`` since the first such delta."""
         with self._round_lock:
             if self.halted:
                 self.reporter.still_halted(self.halted)
@@ -202,8 +197,7 @@ class MasterOuterLoop(OuterStateKeeper):
             if listing is None:
                 return None
             new = self._prefetch(listing, abort)
-            quorum = self.intake.quorum(new, self.outer_step, self.policy.failing())
-            decision = self.policy.decide((i.node_id for i in new), quorum)
+            decision = _decide(self.intake, self.policy, new, self.outer_step, self.rules.rounds)
             if not decision.go:
                 return None
             result = self._round(abort, listing, decision, waiting=True)
@@ -311,7 +305,8 @@ class MasterOuterLoop(OuterStateKeeper):
             with self._lock:
                 self.state.rejections = [*self.state.rejections, record]
                 self.state.trimmed()
-            self.policy.rejected(info.node_id)
+            if why.reason != "late":  # a late node is still live: the next round waits for it
+                self.policy.rejected(info.node_id)
         for contribution in result.contributions:
             self.policy.accepted(contribution.node_id)
         if not result.accepted and not result.refusals:
@@ -447,3 +442,16 @@ class MasterOuterLoop(OuterStateKeeper):
                 f"DumbDiLoCo master {self.node_id!r}: the outer loop stopped "
                 f"({type(failure).__name__}: {failure}); stopping the run"
             ) from failure
+
+
+def _decide(
+    intake: Intake, policy: RoundPolicy, new: list[DeltaInfo], current: int, rounds: str
+) -> RoundDecision:
+    """The round policy's decision over the new deltas ``new`` at outer step ``current``."""
+    failing = policy.failing()
+    if rounds == "sync":
+        # Only deltas of the open round start its clock and count; late ones are refused
+        # when it runs.
+        fresh = intake.fresh(new, current, failing)
+        return policy.decide(fresh, fresh)
+    return policy.decide((i.node_id for i in new), intake.quorum(new, current, failing))

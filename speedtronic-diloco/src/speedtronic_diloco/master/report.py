@@ -105,8 +105,10 @@ class Reporter:
         ]
         clipped = [c.node_id for c in contributions if c.scale < 1.0 or min(c.delta_scales) < 1.0]
         log.info(
-            "outer step %d: %d node%s (%s), waited %.1f s (%s)%s%s",
+            "outer step %d (%s%s): %d node%s (%s), waited %.1f s (%s)%s%s",
             result.outer_step,
+            result.mode,
+            "" if result.momentum_applied else ", no momentum",
             len(result.nodes),
             "" if len(result.nodes) == 1 else "s",
             ", ".join(parts),
@@ -131,6 +133,8 @@ class Reporter:
                 "staleness": ",".join(str(s) for s in result.staleness),
                 "waited_s": round(result.waited_s, 3),
                 "reason": result.reason,
+                "mode": result.mode,
+                "momentum": result.momentum if result.momentum_applied else 0.0,
                 "norms": ",".join(f"{c.norm:.4g}" for c in contributions),
                 "norm_threshold": result.threshold,
                 "clipped": ",".join(clipped),

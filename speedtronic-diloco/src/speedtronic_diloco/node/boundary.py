@@ -89,8 +89,11 @@ class OwnProgress:
     """This node's deltas not yet seen in a global (``install_at: boundary`` with
     ``keep_own_progress``, whole-model installs): see :meth:`apply`."""
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, scale: float = 1.0) -> None:
         self.enabled = enabled
+        #: The fraction of each own delta kept on top of an installed global
+        #: (``own_progress_scale``).
+        self.scale = scale
         self._unmerged: dict[int, TensorDict] = {}
         self._eager: set[int] = set()  # of those, the ones the installed model already keeps
 
@@ -119,6 +122,10 @@ class OwnProgress:
         self._eager = set(self._unmerged)
         if not own:
             return tensors
+        if self.scale != 1.0:
+            # The whole delta still goes to the master; locally only the share the outer step
+            # is expected to give it (the next boundary measures from the result).
+            own = [{k: v * self.scale for k, v in delta.items()} for delta in own]
         return combine(tensors, *own, sign=-1)
 
     def unmerge_failed(self, job: UploadJob, baseline: TensorDict) -> TensorDict:
