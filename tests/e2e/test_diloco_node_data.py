@@ -9,7 +9,7 @@ import random
 from pathlib import Path
 
 import pytest
-from diloco_nodes import kill_all, master_and_workers, wait_all, write_config
+from diloco_nodes import master_and_workers, run_together, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -50,13 +50,10 @@ def test_nodes_of_one_config_read_their_own_samples_unless_node_split_none(
     text = text_file(tmp_path / "corpus.txt")
     own = pair(tmp_path / "auto", text, "auto")
     same = pair(tmp_path / "none", text, "none")
-    nodes = own + same
-    try:
-        for node in nodes:  # both runs at once: they share nothing but the text file
-            node.start()
-        wait_all(nodes)
-    finally:
-        kill_all(nodes)
+    # Both runs at once (they share nothing but the text file), and every node starts training
+    # together: a worker that started after its master had finished would install the master's
+    # trained global at train start, and its first loss would differ for that reason alone.
+    run_together(own + same, tmp_path / "barrier")
     own_losses = [step_losses(node) for node in own]
     same_losses = [step_losses(node) for node in same]
     assert all(len(losses) == STEPS for losses in own_losses + same_losses)
