@@ -7,7 +7,6 @@ that every kill left a loadable checkpoint and that resuming is exact.
 from __future__ import annotations
 
 import itertools
-import json
 import random
 import signal
 import subprocess
@@ -20,6 +19,7 @@ from typing import Any
 import pytest
 import yaml
 from core.plugin_fixtures import plugin_env, run_cli
+from core.toy_runs import metric_events as events
 from core.toy_runs import tiny_transformer_run, train
 
 MAX_STEPS = 24
@@ -65,20 +65,6 @@ def launch(config_file: Path, jsonl: Path) -> subprocess.Popen[bytes]:
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=child_env())
     finally:
         log.close()
-
-
-def events(jsonl: Path) -> list[dict[str, Any]]:
-    """The complete JSON lines of a metrics file (a SIGKILL may tear the last one)."""
-    if not jsonl.exists():
-        return []
-    records = []
-    for line in jsonl.read_text(encoding="utf-8").splitlines(keepends=True):
-        if line.endswith("\n"):
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                pass
-    return records
 
 
 def last_step(jsonl: Path) -> int:

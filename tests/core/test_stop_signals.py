@@ -6,7 +6,6 @@ every wait is a bounded poll on a condition.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -20,6 +19,7 @@ import pytest
 import yaml
 from core.plugin_fixtures import plugin_env, run_python
 from core.toy_runs import TINY_TRANSFORMER, tiny_transformer_run, train
+from core.toy_runs import metric_events as events
 
 from speedtronic.checkpoint import CheckpointManager, checkpoint_name
 
@@ -62,20 +62,6 @@ def launch(
 
 def output(jsonl: Path) -> str:
     return jsonl.with_suffix(".out").read_text(errors="replace")
-
-
-def events(jsonl: Path, kind: str | None = None) -> list[dict[str, Any]]:
-    """The complete JSON lines of a metrics file (a kill may tear the last one)."""
-    if not jsonl.exists():
-        return []
-    records = []
-    for line in jsonl.read_text(encoding="utf-8").splitlines(keepends=True):
-        if line.endswith("\n"):
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                pass
-    return [r for r in records if kind is None or r["event"] == kind]
 
 
 def losses(jsonl: Path) -> dict[int, float]:

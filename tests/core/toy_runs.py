@@ -4,6 +4,7 @@ takes milliseconds on a busy CPU, real enough to train."""
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -131,3 +132,18 @@ def train(config: dict[str, Any], **kwargs: Any) -> tuple[TrainResult, EventReco
     recorder = EventRecorder()
     runtime = build_runtime(copy.deepcopy(config), hooks=[recorder], console=False, **kwargs)
     return runtime.trainer.fit(), recorder, runtime.trainer
+
+
+def metric_events(jsonl: Path, kind: str | None = None) -> list[dict[str, Any]]:
+    """The complete JSON lines of a metrics file (a kill may tear the last one), of event
+    ``kind`` only when given."""
+    if not jsonl.exists():
+        return []
+    records = []
+    for line in jsonl.read_text(encoding="utf-8").splitlines(keepends=True):
+        if line.endswith("\n"):
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                pass
+    return [r for r in records if kind is None or r["event"] == kind]
