@@ -62,14 +62,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     try:
         result = train_from_config(config)
+        # Stopped cleanly by a signal, with a checkpoint at the last step: "did not finish"
+        # (128 + N), so a scheduler may requeue the run.
+        interrupted = None if result.stop_signal is None else 128 + result.stop_signal
     except KeyboardInterrupt:  # a second Ctrl-C, or SIGINT left out of run.stop_signals
+        interrupted = 130
+    if interrupted is not None:
         if os.environ.get("RANK", "0") == "0":
             print(f"interrupted; {_resume_advice(config)}", file=sys.stderr)
-        return 130
-    if result.stop_signal is not None:  # stopped cleanly, with a checkpoint at the last step
-        if os.environ.get("RANK", "0") == "0":
-            print(f"interrupted; {_resume_advice(config)}", file=sys.stderr)
-        return 128 + result.stop_signal  # "did not finish": a scheduler may requeue the run
+        return interrupted
     loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "n/a"
     resumed = f" (resumed from step {result.resumed_from})" if result.resumed_from else ""
     steps = f"{result.steps} step{'' if result.steps == 1 else 's'}"
