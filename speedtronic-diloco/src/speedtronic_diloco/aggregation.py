@@ -92,6 +92,7 @@ class AggregationRules:
     rounds: str = "async"
     momentum_min_nodes: int = 1
     momentum_staleness: str = "none"
+    lease_ttl: float | None = None  # a node silent this long counts as gone (with round_timeout)
     signing_key: bytes | None = field(default=None, repr=False)
 
     @classmethod
@@ -111,6 +112,7 @@ class AggregationRules:
             rounds=config.rounds,
             momentum_min_nodes=config.momentum_min_nodes,
             momentum_staleness=config.momentum_staleness,
+            lease_ttl=config.lease_ttl,
             signing_key=signing_key,
         )
 
@@ -542,8 +544,20 @@ class RoundDecision:
 class RoundPolicy:
     """When the master starts an outer step (see the module docstring).
 
-    ``min_deltas`` None means every node seen within ``recent_s`` seconds (default 2 x
-    ``round_timeout``), or 1 when none is known yet. ``clock`` returns seconds (monotonic)."""
+    Rounds count *live* nodes: seen within ``recent_s`` seconds (default 2 x
+    ``round_timeout``), not :meth:`left`, last delta not rejected. ``min_deltas`` None means
+    every live node, or 1 when none is known yet; a number is what the first rounds wait for,
+    then at most the live nodes. ``clock`` returns seconds (monotonic)."""
+
+    @classmethod
+    def of(cls, rules: AggregationRules, clock: Callable[[], float]) -> RoundPolicy:
+        """The policy of ``rules``: silence longer than ``lease_ttl`` (when shorter than
+        2 x ``round_timeout``) makes a node gone."""
+        recent = 2 * rules.round_timeout
+        recent = recent if rules.lease_ttl is None else min(recent, rules.lease_ttl)
+        return cls(
+            rules.min_deltas, rules.round_timeout, clock=clock, recent_s=recent, rounds=rules.rounds
+        )
 
     def __init__(
         self,
@@ -563,6 +577,7 @@ class RoundPolicy:
         self._seen: dict[str, float] = {}
         self._since: float | None = None
         self._failing: set[str] = set()  # nodes whose last delta was rejected
+        self._left: set[str] = set()  # nodes that said they ended (left records)
 
     def saw(self, node_id: str) -> None:
         """A new delta of ``node_id`` was listed now."""
@@ -580,27 +595,31 @@ class RoundPolicy:
     def failing(self) -> set[str]:
         return set(self._failing)
 
+    def left(self, nodes: Iterable[str]) -> None:
+        """The nodes that ended (replacing the previous set): no longer live."""
+        self._left = set(nodes)
+
     def recent_nodes(self) -> set[str]:
         """The nodes seen within ``recent_s`` whose last delta was not rejected."""
         now = self.clock()
         return {
             node
             for node, at in self._seen.items()
-            if now - at <= self.recent_s and node not in self._failing
+            if now - at <= self.recent_s and node not in self._failing | self._left
         }
 
     def needed(self) -> int:
-        """How many nodes a round waits for. ``rounds: sync``: every live node (seen within
-        ``recent_s``, its last delta not rejected); ``min_deltas`` is then only what the first
-        rounds wait for, until that many nodes were ever seen, so that a node that died later
-        stops costing a ``round_timeout`` per round once it is no longer live."""
+        """How many nodes a round waits for. ``min_deltas`` is what the first rounds wait for,
+        until that many nodes were ever seen; from then on at most the live nodes (seen within
+        ``recent_s``, not left, last delta not rejected), so that a node that ended or died
+        stops costing a ``round_timeout`` per round. ``rounds: sync``: every live node."""
         live = len(self.recent_nodes())
-        if self.rounds == "sync":
-            floor = self.min_deltas or 1
-            return max(live, floor) if len(self._ever) < floor else max(1, live)
-        if self.min_deltas is not None:
-            return self.min_deltas
-        return max(1, live)
+        floor = self.min_deltas or 1
+        if len(self._ever) < floor:
+            return max(live, floor) if self.rounds == "sync" else floor
+        if self.rounds == "sync" or self.min_deltas is None:
+            return max(1, live)
+        return max(1, min(self.min_deltas, live))
 
     def waited(self) -> float:
         return 0.0 if self._since is None else self.clock() - self._since

@@ -264,10 +264,13 @@ class DeltaLedger:
     def deletable(
         self, listing: Iterable[DeltaInfo], outer_step: int, keep: int
     ) -> list[DeltaInfo]:
-        """The listed files that are processed and at least ``keep`` outer steps old: what the
-        store no longer needs. A file older than the window counts as processed when the
-        newest entry that left the window was."""
-        doomed = []
+        """The listed files that are processed and at least ``keep`` outer steps old, and the
+        processed files a later delta of the same node went into the same round with (the
+        round summed them: only the newest is kept): what the store no longer needs. A file
+        older than the window counts as processed when the newest entry that left the window
+        was. The store thus holds at most ``keep`` rounds of one processed delta per node."""
+        doomed, kept = [], []
+        newest: dict[tuple[str, int], int] = {}  # (node, outer step) -> newest local step
         for info in listing:
             record = self.nodes.get(info.node_id)
             if record is None:
@@ -276,9 +279,16 @@ class DeltaLedger:
             if entry is None:
                 if info.local_step <= record.high and record.evicted_outer <= outer_step - keep:
                     doomed.append(info)
-            elif entry.outer_step <= outer_step - keep and info.etag in (entry.etag, entry.content):
+            elif info.etag not in (entry.etag, entry.content):
+                continue  # replaced since it was processed: not ours to delete
+            elif entry.outer_step <= outer_step - keep:
                 doomed.append(info)
-        return doomed
+            else:
+                kept.append((info, entry.outer_step))
+                key = (info.node_id, entry.outer_step)
+                newest[key] = max(newest.get(key, info.local_step), info.local_step)
+        folded = [i for i, step in kept if i.local_step < newest[(i.node_id, step)]]
+        return doomed + folded
 
     # ------------------------------------------------------------------ published form
     def published(

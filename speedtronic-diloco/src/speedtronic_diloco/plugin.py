@@ -6,8 +6,9 @@
 - ``on_load_checkpoint`` (runs before train start): the coordinator state is kept aside and
   handed to the coordinator as its prepared startup state;
 - ``on_train_start`` / ``on_train_end``: coordinator start (the master gets an evaluator of its
-  globals when the run has eval) and, after a run that ended normally, ``finish`` (the last
-  delta lands, the master's final round), then a bounded stop;
+  globals when the run has eval; a node's left record is deleted first) and, after a run that
+  ended normally, ``finish`` (the last delta lands, the master's final round), then the node's
+  left record (:mod:`~speedtronic_diloco.membership`) and a bounded stop;
 - ``after_optimizer_step``: boundaries, uploads, polls (the run's last step uploads its partial
   inner loop); True when weights were replaced;
 - ``on_checkpoint``: coordinator state under the ``diloco`` key;
@@ -153,6 +154,7 @@ def on_train_start(trainer: Any) -> None:
     if section is None:
         return
     from speedtronic_diloco.coordinator import DumbDiLoCoCoordinator
+    from speedtronic_diloco.membership import announce_back
 
     if trainer.config.parallel.strategy == "fsdp":
         # The coordinator reads and installs whole tensors of the model it is given; sharded
@@ -187,7 +189,9 @@ def on_train_start(trainer: Any) -> None:
         run.coordinator.load_state_dict(run.checkpointed)
         run.checkpointed = None
     trainer.reset_optimizer_on_weight_replace = section.reset_inner_optimizer
-    run.coordinator.start()
+    coordinator = run.coordinator
+    announce_back(coordinator.transport, coordinator.node_id, retry=coordinator.ctx.retry)
+    coordinator.start()
     if parallel.enabled:
         _broadcast_weights(trainer.model)  # the start may have installed the current global
 
@@ -251,6 +255,18 @@ def on_train_end(trainer: Any, error: BaseException | None) -> None:
     try:
         if error is None:
             coordinator.finish()
+        if coordinator.started:  # the master stops waiting for this node
+            from speedtronic_diloco.membership import announce_left, left_reason
+
+            reason = left_reason(error, trainer.step, trainer.config.run.max_steps)
+            announce_left(
+                coordinator.transport,
+                coordinator.node_id,
+                coordinator.local_step,
+                reason,
+                retry=coordinator.ctx.retry,
+                stop=coordinator.ctx.stop,
+            )
         coordinator.stop()
     except Exception:  # on_train_end must not raise
         log.exception("stopping DumbDiLoCo failed")

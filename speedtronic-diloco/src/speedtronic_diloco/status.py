@@ -6,7 +6,9 @@ the lease, the delta listing and the store's size; with streaming fragments publ
 of their own, each fragment's file, outer step and size. Per node it shows the last delta's local
 step and age, the outer step it was computed from (its staleness), its norm, how many of the
 node's deltas were accepted and rejected and why the last rejection happened; what the store
-does not record is shown as ``-``. A rich table on a terminal, JSON with ``--json``;
+does not record is shown as ``-``. Nodes that left (a ``left`` record:
+:mod:`speedtronic_diloco.membership`) are listed apart, with their last step and why they
+ended. A rich table on a terminal, JSON with ``--json``;
 ``--watch`` refreshes until Ctrl-C (or ``--count`` refreshes).
 
 ``--plot out.png`` draws the run's history: the global's held-out loss per outer step, the
@@ -66,6 +68,9 @@ class RunStatus:
     #: included delta), ``reason``, ``momentum`` (the outer momentum it stepped with).
     last_round: dict[str, Any] | None = None
     nodes: list[dict[str, Any]] = field(default_factory=list)
+    #: The nodes that left (a left record), apart from ``nodes``: their row plus
+    #: ``last_step``, ``reason`` and ``left_at``.
+    left: list[dict[str, Any]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -90,6 +95,7 @@ class RunStatus:
             "store_bytes": self.store_bytes,
             "last_round": self.last_round,
             "nodes": self.nodes,
+            "left": self.left,
             "problems": self.problems,
             **({"fragment_files": self.fragment_files} if self.fragment_files else {}),
         }
@@ -145,7 +151,38 @@ def collect_status(transport: Any, now: float | None = None) -> RunStatus:
     listing = _attempt(status, "delta listing", transport.list_deltas) or []
     status.store_bytes = _attempt(status, "store size", transport.store_bytes)
     status.nodes = _node_rows(metadata, listing, status.checked_at)
+    _split_left(status, transport, listing)
     return status
+
+
+def _split_left(status: RunStatus, transport: Any, listing: list[Any]) -> None:
+    """Move the nodes that left (a left record, no delta past its last step) from
+    ``status.nodes`` to ``status.left``."""
+    from speedtronic_diloco.transports.members import MemberRecords
+
+    if not isinstance(transport, MemberRecords):
+        return
+    found = _attempt(status, "left records", transport.read_left)
+    if found is None:
+        return
+    status.problems.extend(f"left record: {problem}" for problem in found.refused)
+    records = {
+        node: record
+        for node, record in found.records.items()
+        if not any(i.node_id == node and i.local_step > record.last_step for i in listing)
+    }
+    rows = {row["node_id"]: row for row in status.nodes}
+    status.nodes = [row for row in status.nodes if row["node_id"] not in records]
+    for node, record in sorted(records.items()):
+        row = rows.get(node, {"node_id": node})
+        status.left.append(
+            {
+                **row,
+                "last_step": record.last_step,
+                "reason": record.reason,
+                "left_at": record.left_at,
+            }
+        )
 
 
 def _node_rows(metadata: Any, listing: list[Any], now: float) -> list[dict[str, Any]]:
@@ -363,8 +400,14 @@ def render_status(status: RunStatus, console: Any) -> None:
         table.add_row(*cells)
     if status.nodes:
         console.print(table)
-    else:
+    elif not status.left:
         console.print("no node has uploaded a delta yet")
+    for row in status.left:
+        when = "" if row["left_at"] is None else f", {_when(row['left_at'])}"
+        line = (
+            f"left         {row['node_id']} after step {row['last_step']} ({row['reason']}{when})"
+        )
+        console.print(escape(line), highlight=False)
     for problem in status.problems:
         console.print(f"[yellow]could not read {escape(problem)}[/yellow]")
 

@@ -34,6 +34,7 @@ from speedtronic_diloco.master.keeper import OuterStateKeeper
 from speedtronic_diloco.master.publish import Publication, Publisher
 from speedtronic_diloco.master.report import Emit, Reporter
 from speedtronic_diloco.master.round import OuterPolicy, RoundResult, guarded, run_round
+from speedtronic_diloco.membership import Membership
 from speedtronic_diloco.retry import RetryPolicy
 from speedtronic_diloco.tensors import TensorDict
 from speedtronic_diloco.transports.base import DeltaInfo, GlobalMetadata, LeaseError, Transport
@@ -83,9 +84,8 @@ class MasterOuterLoop(OuterStateKeeper):
         self.outer_momentum = outer_momentum
         self.rules = rules or AggregationRules()
         super().__init__(node_id, state_dir, self.rules.keep_history, fragments)
-        self.policy = RoundPolicy(
-            self.rules.min_deltas, self.rules.round_timeout, clock=clock, rounds=self.rules.rounds
-        )
+        self.policy = RoundPolicy.of(self.rules, clock)
+        self.membership = Membership(transport)  # the nodes that left: not waited for
         #: ``evaluate(global weights) -> held-out loss``; called before each publication.
         self.evaluate = evaluate
         #: The master's lease (:class:`~speedtronic_diloco.lease.LeaseKeeper`), or None.
@@ -185,10 +185,10 @@ class MasterOuterLoop(OuterStateKeeper):
     def tick(self, abort: threading.Event | None = None) -> RoundResult | None:
         """One turn of the outer thread: list the store, fetch and check the new deltas (kept
         on disk until their round), ask the round policy, and run a round when it says so:
-        ``min_deltas`` distinct nodes pending with the same, newest base outer step (the
-        quorum), or ``round_timeout`` since the first pending delta. With ``rounds: sync``:
-        every live node has a delta computed from the current global pending, or
-        ``round_timeout`` since the first such delta."""
+        ``min_deltas`` (at most the live nodes: :mod:`~speedtronic_diloco.membership`) nodes
+        pending with the same, newest base outer step (the quorum), or ``round_timeout`` since
+        the first pending delta. With ``rounds: sync``: every live node has a delta computed
+        from the current global pending, or ``round_timeout`` since the first such delta."""
         with self._round_lock:
             if self.halted:
                 self.reporter.still_halted(self.halted)
@@ -235,6 +235,7 @@ class MasterOuterLoop(OuterStateKeeper):
         new = self._new_deltas(listing)
         for info in new:
             self.policy.saw(info.node_id)
+        self.policy.left(self.membership.gone(listing))
         reference = self.global_state
         if reference is not None:
             self.intake.prefetch(new, lambda info: self._fetch(info, reference), abort)

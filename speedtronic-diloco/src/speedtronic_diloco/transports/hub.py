@@ -99,6 +99,7 @@ from speedtronic_diloco.transports.hub_commits import (
 )
 from speedtronic_diloco.transports.hub_errors import classify, raise_redacted, redact
 from speedtronic_diloco.transports.hub_files import HubFiles
+from speedtronic_diloco.transports.hub_members import HubMembers
 from speedtronic_diloco.transports.hub_session import hub_call
 
 if TYPE_CHECKING:
@@ -138,7 +139,7 @@ def fragment_path(index: int) -> str:
     return f"global/fragment_{index}.safetensors"
 
 
-class HubTransport(Transport):
+class HubTransport(HubMembers, Transport):
     """The DiLoCo store in the Hub model repository ``repo_id`` (``<user or org>/<name>``).
 
     Thread-safe: requests share the client's connection pool, publications are serialized.

@@ -65,6 +65,7 @@ from speedtronic_diloco.transports.base import (
     redact_userinfo,
     write_verified,
 )
+from speedtronic_diloco.transports.shared_dir_members import SharedDirMembers
 
 try:
     import fcntl
@@ -138,7 +139,7 @@ def _kind(mode: int) -> str | None:
     return "not a regular file"
 
 
-class SharedDirectoryTransport(Transport):
+class SharedDirectoryTransport(SharedDirMembers, Transport):
     """The layout of :mod:`speedtronic_diloco.transports.base` under ``root``."""
 
     supports_fragment_files = True
