@@ -214,7 +214,9 @@ def test_master_training_run_through_hooks(tmp_path: Path, recorder: RunRecorder
     assert trainer.weights_replaced >= 3  # one push per boundary
     store = SharedDirectoryTransport(tmp_path / "store")
     assert store.read_global_metadata() is not None
-    assert {info.local_step for info in store.list_deltas()} == {4, 8, 12}
+    # A delta that went into one round with a later one of its node is deleted after it.
+    kept = {info.local_step for info in store.list_deltas()}
+    assert 12 in kept and kept <= {4, 8, 12}
     uploaded = [p["step"] for e, p in events if e == "delta_uploaded"]
     assert sorted(uploaded) == [4, 8, 12]
     # The coordinator emits through the trainer: the sinks and on_metric get the same events.

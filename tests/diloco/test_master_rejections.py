@@ -120,11 +120,12 @@ def test_a_hostile_writers_long_names_are_quoted_short(tmp_path: Path) -> None:
 def test_rejections_are_told_as_the_intake_refuses_them(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A quorum of two that never comes (``min_deltas: 2``): nothing is aggregated, yet the
-    refused delta is logged and emitted at once, once."""
+    """A quorum of three that never comes (``min_deltas: 3``, two nodes seen): nothing is
+    aggregated, yet the refused delta is logged and emitted at once, once. (With two, the
+    failing node would not count as live, and the good one's round would run.)"""
     store = shared(tmp_path)
     events: list[tuple[str, dict[str, Any]]] = []
-    rules = {"min_deltas": 2, "round_timeout": 86400.0}
+    rules = {"min_deltas": 3, "round_timeout": 86400.0}
     loop = make_master(store, tmp_path, events=events, start=weights(), rules=rules)
     put(store, tmp_path, "good", delta(1), key=None)
     nan = delta(2)
