@@ -128,7 +128,8 @@ class DistributedConfig(Section):
         ge=1,
         le=1_000_000,
         help="The master deletes processed delta files from the store once they are this many "
-        "outer steps old (the Hub in one deletion commit per round).",
+        "outer steps old, keeping one per node and round (the Hub in one deletion commit per "
+        "round).",
     )
     squash_history_every: int = option(
         0,
@@ -149,7 +150,8 @@ class DistributedConfig(Section):
         ge=1,
         le=MAX_SECONDS,
         help="Seconds the master's lease on the store (`global/lease.json`) lasts; it is "
-        "renewed every third of that. A second master is refused while it is live.",
+        "renewed every third of that. A second master is refused while it is live. A node "
+        "that sends no delta this long is no longer counted as live.",
     )
     take_over: bool = option(
         False,
@@ -169,8 +171,9 @@ class DistributedConfig(Section):
         None,
         ge=1,
         le=1_000_000,
-        help="Master: start an outer step once deltas of this many distinct nodes are pending; "
-        "default: every node seen in the last 2 x round_timeout (1 before any is known).",
+        help="Master: start an outer step once deltas of this many distinct nodes are pending "
+        "(once this many were seen, at most the live ones: not left, heard from within "
+        "lease_ttl and 2 x round_timeout); default: every live node (1 before any is known).",
     )
     round_timeout: float = option(
         120.0,
