@@ -308,3 +308,18 @@ def test_status_lists_the_nodes_that_left_apart(tmp_path: Path) -> None:
     assert status.left[0]["accepted"] == 1  # its row, kept
     assert any("nodes/x/left.json" in problem for problem in status.problems)
     assert status.to_json()["left"] == status.left
+
+
+def test_a_master_on_the_hub_goes_on_once_a_node_left(hub: HubEmulator, tmp_path: Path) -> None:
+    store = transport(hub)
+    store.create_store()
+    loop = master(store, tmp_path, rules={"min_deltas": 2, "round_timeout": 3600.0})
+    upload(store, tmp_path, "m", 5)
+    upload(store, tmp_path, "w", 5)
+    assert loop.tick() is not None
+    upload(store, tmp_path, "m", 10, base=1)
+    assert loop.tick() is None  # w is live: waited for
+    announce_left(store, "w", 5, "error", retry=NO_WAIT)
+    result = loop.tick()
+    assert result is not None and result.included == (("m", 10),)
+    assert [r["node_id"] for r in collect_status(store).left] == ["w"]

@@ -551,10 +551,8 @@ class RoundPolicy:
 
     @classmethod
     def of(cls, rules: AggregationRules, clock: Callable[[], float]) -> RoundPolicy:
-        """The policy of ``rules``: silence longer than ``lease_ttl`` (when shorter than
-        2 x ``round_timeout``) makes a node gone."""
-        recent = 2 * rules.round_timeout
-        recent = recent if rules.lease_ttl is None else min(recent, rules.lease_ttl)
+        """The policy of ``rules``; silent past ``lease_ttl`` (if < ``recent_s``): gone."""
+        recent = min(2 * rules.round_timeout, rules.lease_ttl or math.inf)
         return cls(
             rules.min_deltas, rules.round_timeout, clock=clock, recent_s=recent, rounds=rules.rounds
         )
