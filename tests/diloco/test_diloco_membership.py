@@ -323,3 +323,47 @@ def test_a_master_on_the_hub_goes_on_once_a_node_left(hub: HubEmulator, tmp_path
     result = loop.tick()
     assert result is not None and result.included == (("m", 10),)
     assert [r["node_id"] for r in collect_status(store).left] == ["w"]
+
+
+# --------------------------------------------------------------------------- through the trainer
+
+
+def test_a_run_leaves_with_its_last_step_and_why(tmp_path: Path) -> None:
+    from diloco_runs import tiny_run
+
+    from speedtronic.runtime import build_runtime
+
+    store = SharedDirectoryTransport(tmp_path / "store")
+    build_runtime(tiny_run(tmp_path), console=False).trainer.fit()  # the master, 12 steps
+    record = store.read_left().records["m"]
+    assert (record.last_step, record.reason) == (12, "max_steps")
+
+    stopper: list[Any] = []
+
+    def stop_at_6(event: str, payload: dict[str, Any]) -> None:
+        if event == "step" and payload.get("step", 0) >= 6 and stopper:
+            stopper[0].request_stop()
+
+    worker = tiny_run(
+        tmp_path / "w",
+        distributed={"role": "worker", "node_id": "w", "repo_id": f"file://{tmp_path}/store"},
+        logging={"log_every": 1},
+    )
+    runtime = build_runtime(worker, console=False, hooks=[stop_at_6])
+    stopper.append(runtime.trainer)
+    result = runtime.trainer.fit()
+    assert result.stopped
+    record = store.read_left().records["w"]
+    assert record.reason == "stopped" and record.last_step == result.steps < 12
+    # Resumed, the node deletes its record before it trains: it is live again.
+    seen: list[bool] = []
+
+    def look(event: str, payload: dict[str, Any]) -> None:
+        if event == "step" and not seen:
+            seen.append("w" in store.read_left().records)
+
+    resumed = {**worker, "checkpoint": {**worker.get("checkpoint", {}), "resume": True}}
+    build_runtime(resumed, console=False, hooks=[look]).trainer.fit()
+    assert seen == [False]
+    record = store.read_left().records["w"]
+    assert (record.last_step, record.reason) == (12, "max_steps")
