@@ -598,7 +598,7 @@ class RoundPolicy:
         self._left = set(nodes)
 
     def recent_nodes(self) -> set[str]:
-        """The nodes seen within ``recent_s`` whose last delta was not rejected."""
+        """The live nodes: seen within ``recent_s``, not left, last delta not rejected."""
         now = self.clock()
         return {
             node
