@@ -14,6 +14,7 @@ from huggingface_hub.hf_api import RepoFile
 
 from speedtronic_diloco.identity import validate_node_id
 from speedtronic_diloco.transports.base import PermanentTransportError
+from speedtronic_diloco.transports.hub_commits import Commit, Done, commit_on_head
 from speedtronic_diloco.transports.members import (
     LEFT_LIMIT,
     MAX_LEFT_RECORDS,
@@ -32,13 +33,15 @@ _CACHE = 4 * MAX_LEFT_RECORDS
 
 class HubMembers(MemberRecords):
     """Left records for :class:`~speedtronic_diloco.transports.hub.HubTransport` (which
-    provides ``repo_id``, ``description``, ``_api``, ``_files`` and ``_call``)."""
+    provides ``repo_id``, ``description``, ``_api``, ``_files``, ``_head_file`` and
+    ``_call``)."""
 
     repo_id: str
     description: str
     _api: Any
     _files: Any
     _call: Callable[..., Any]
+    _head_file: Callable[..., tuple[str, bytes | None]]
 
     def write_left(self, record: LeftRecord) -> None:
         """One commit adding (or replacing) ``nodes/<node_id>/left.json``."""
@@ -55,22 +58,24 @@ class HubMembers(MemberRecords):
         )
 
     def clear_left(self, node_id: str) -> None:
-        """One commit deleting ``nodes/<node_id>/left.json`` when the head has it."""
+        """One commit deleting ``nodes/<node_id>/left.json`` when the head has it, on that
+        head (read again if the branch moved meanwhile)."""
         validate_node_id(node_id)
         path = left_path(node_id)
 
-        def clear() -> None:
-            head, raw = self._files.get_bytes(path, "main", LEFT_LIMIT)
+        def prepare(raced: bool) -> Commit | Done:
+            head, raw = self._head_file(path, LEFT_LIMIT)
             if raw is None:
-                return
-            self._api.create_commit(
-                self.repo_id,
-                [CommitOperationDelete(path_in_repo=path)],
-                commit_message=f"DumbDiLoCo: {node_id} is back",
-                parent_commit=head,
-            )
+                return Done(None)
+            delete = [CommitOperationDelete(path_in_repo=path)]
+            return Commit(head, delete, f"DumbDiLoCo: {node_id} is back", lambda info: None)
 
-        self._call(f"delete {path}", clear)
+        self._call(
+            f"delete {path}",
+            lambda: commit_on_head(
+                self._api, self.repo_id, self.description, f"deleting {path}", prepare
+            ),
+        )
 
     def read_left(self) -> LeftListing:
         """The records of the branch head (see the module docstring)."""
