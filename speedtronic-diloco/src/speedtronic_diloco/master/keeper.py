@@ -224,6 +224,14 @@ class OuterStateKeeper:
                     )
         self.save()
 
+    def adopt_state(self, stored: OuterState) -> None:
+        """Continue exactly from the outer state the store keeps for its current global
+        (:mod:`~speedtronic_diloco.master.store_state`): a successor master's next outer step
+        is the one its predecessor would have made."""
+        with self._lock:
+            self.state = self._keeping_layout(replace(stored, published_step=stored.outer_step))
+        self.save()
+
     def continue_after(self, store_step: int) -> None:
         """The store holds ``store_step`` but its weights could not be fetched: keep the local
         weights, do not republish, and number the next outer step after the store's."""

@@ -42,11 +42,12 @@ The layout is the one of :mod:`speedtronic_diloco.transports.base`. What the Hub
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
@@ -100,6 +101,7 @@ from speedtronic_diloco.transports.hub_commits import (
 from speedtronic_diloco.transports.hub_errors import classify, raise_redacted, redact
 from speedtronic_diloco.transports.hub_files import HubFiles
 from speedtronic_diloco.transports.hub_session import hub_call
+from speedtronic_diloco.transports.side_files import check_side_path
 
 if TYPE_CHECKING:
     from speedtronic_diloco.config import DistributedConfig
@@ -138,7 +140,78 @@ def fragment_path(index: int) -> str:
     return f"global/fragment_{index}.safetensors"
 
 
-class HubTransport(Transport):
+class _SideFiles:
+    """:class:`~speedtronic_diloco.transports.side_files.SideFiles` of a Hub repository."""
+
+    def write_side_file(
+        self,
+        path: str,
+        source: Path,
+        *,
+        fence: Lease | None = None,
+        keep: Collection[str] | None = None,
+    ) -> None:
+        """One commit adding ``path`` (and deleting the other files of its folder not in
+        ``keep``), on the head the lease was read at (fenced)."""
+        check_side_path(path)
+        folder = path.rsplit("/", 1)[0]
+
+        def prepare(raced: bool) -> Commit | Done:
+            head, raw = self._head_file(LEASE_FILE, LEASE_LIMIT)
+            if fence is not None:
+                current = None if raw is None else Lease.loads(raw, f"{self.description}: lease")
+                check_fence(current, fence.holder, fence.epoch, f"{self.description}: {path}")
+            operations: list[Any] = [CommitOperationAdd(path, str(source))]
+            if keep is not None:
+                operations += [
+                    CommitOperationDelete(path_in_repo=other)
+                    for other, _ in self._side_files_at(folder, head)
+                    if other != path and other not in keep
+                ]
+            return Commit(head, operations, f"DumbDiLoCo: {path}", lambda info: None)
+
+        self._call(
+            f"write {path}",
+            lambda: commit_on_head(self._api, self.repo_id, self.description, path, prepare),
+        )
+
+    def read_side_file(
+        self,
+        path: str,
+        dest: Path,
+        *,
+        size: int,
+        sha256: str | None = None,
+        revision: str | None = None,
+    ) -> Path:
+        """Download the side file ``path`` at ``revision`` (default: the head), checked."""
+        check_side_path(path)
+        at = revision or "main"
+        return self._call(
+            f"download {path}@{at[:12]}",
+            lambda: self._files.download(path, at, Path(dest), size=size, sha256=sha256),
+        )
+
+    def list_side_files(self, folder: str) -> list[tuple[str, int]]:
+        """``(path, size)`` of the side files in ``folder`` at the head."""
+        return self._call(f"list {folder}", lambda: self._side_files_at(folder, "main"))
+
+    def _side_files_at(self, folder: str, revision: str) -> list[tuple[str, int]]:
+        try:
+            entries = list(
+                self._api.list_repo_tree(self.repo_id, path_in_repo=folder, revision=revision)
+            )
+        except RemoteEntryNotFoundError:
+            return []
+        found = []
+        for entry in entries:
+            if isinstance(entry, RepoFile):
+                with contextlib.suppress(PermanentTransportError):
+                    found.append((check_side_path(entry.path), int(entry.size or 0)))
+        return found
+
+
+class HubTransport(_SideFiles, Transport):
     """The DiLoCo store in the Hub model repository ``repo_id`` (``<user or org>/<name>``).
 
     Thread-safe: requests share the client's connection pool, publications are serialized.
