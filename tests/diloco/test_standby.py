@@ -23,6 +23,7 @@ from hub_fixtures import TOKEN, hub_fixture
 from speedtronic_diloco.coordinator import DumbDiLoCoCoordinator
 from speedtronic_diloco.lease import CLOCK_MARGIN
 from speedtronic_diloco.standby import Standby
+from speedtronic_diloco.status import collect_status, summary_lines
 from speedtronic_diloco.transports import GlobalMetadata, Lease, Transport
 from speedtronic_diloco.transports.base import LEASE_FILE
 from speedtronic_diloco.transports.hub import HubTransport
@@ -223,3 +224,22 @@ def test_a_fenced_master_with_failover_goes_on_as_a_worker(
     assert store.read_lease().holder == "w2"  # it never wrote over its successor
     assert torch.isfinite(next(m1.model.parameters())).all()
     m1.stop()
+
+
+def test_status_shows_the_holder_the_standbys_and_when_the_lease_lapses(
+    store: Transport, tmp_path: Path
+) -> None:
+    now = time.time()
+    put_lease(store, Lease("m1", 4, now + 30, now, "x"))
+    for node in ("w1", "w2", "m1"):  # the holder itself is not listed as a standby
+        assert Standby(store, node, ttl=TTL).announce(tmp_path / node)
+    if isinstance(store, SharedDirectoryTransport):  # a record that is not ours is skipped
+        (store.root / "standbys" / "w3.json").write_bytes(b"\x00not json")
+    status = collect_status(store)
+    assert (status.lease["holder"], status.lease["epoch"]) == ("m1", 4)
+    assert status.lease["lapses_at"] == pytest.approx(now + 30 + CLOCK_MARGIN)
+    assert sorted(r["node_id"] for r in status.standbys) == ["w1", "w2"]
+    assert status.to_json()["standbys"] == status.standbys
+    lines = summary_lines(status)
+    assert any(line.startswith("lease") and "lapses in" in line for line in lines), lines
+    assert any(line.startswith("standbys") and "w1" in line and "w2" in line for line in lines)

@@ -28,11 +28,13 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from speedtronic.errors import TransportError
 from speedtronic_diloco.identity import is_valid_node_id
@@ -46,9 +48,17 @@ from speedtronic_diloco.transports.base import (
     PermanentTransportError,
     Transport,
 )
-from speedtronic_diloco.transports.side_files import SideFiles, standby_path
+from speedtronic_diloco.transports.side_files import (
+    STANDBY_DIR,
+    STANDBY_LIMIT,
+    SideFiles,
+    standby_path,
+)
 
-__all__ = ["Standby", "Takeover"]
+__all__ = ["MAX_LISTED", "Standby", "Takeover", "read_standbys"]
+
+MAX_LISTED = 50
+"""Standby records ``speedtronic diloco status`` reads at most."""
 
 log = logging.getLogger("speedtronic.diloco.standby")
 
@@ -261,3 +271,30 @@ class Standby:
         """Watch again after this node's master was fenced (its own take-over is history)."""
         self.won = None
         self._suspect = None
+
+
+def read_standbys(transport: Transport, directory: Path) -> list[dict[str, Any]]:
+    """The standby records of the store (``node_id``, ``announced_at``), newest first, at
+    most :data:`MAX_LISTED`; records that are not ours (too large, not JSON, a node id that
+    does not match the file) are skipped."""
+    if not isinstance(transport, SideFiles):
+        return []
+    records = []
+    listed = transport.list_side_files(STANDBY_DIR)[:MAX_LISTED]
+    directory.mkdir(parents=True, exist_ok=True)
+    for index, (path, size) in enumerate(listed):
+        if size > STANDBY_LIMIT:
+            continue
+        local = directory / f"standby{index}.json"
+        try:
+            transport.read_side_file(path, local, size=size)
+            data = json.loads(local.read_text(encoding="utf-8"))
+            node, when = str(data["node_id"]), float(data["announced_at"])
+        except (TransportError, ValueError, KeyError, TypeError, UnicodeDecodeError):
+            continue
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                local.unlink()
+        if path == standby_path(node) and math.isfinite(when):
+            records.append({"node_id": node, "announced_at": when})
+    return sorted(records, key=lambda r: -r["announced_at"])
