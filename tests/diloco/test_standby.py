@@ -243,3 +243,36 @@ def test_status_shows_the_holder_the_standbys_and_when_the_lease_lapses(
     lines = summary_lines(status)
     assert any(line.startswith("lease") and "lapses in" in line for line in lines), lines
     assert any(line.startswith("standbys") and "w1" in line and "w2" in line for line in lines)
+
+
+def test_an_invalid_lease_that_its_holder_renews_is_reported_once_and_never_taken(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A holder whose lease looks like another run's (its epoch below the published one) but
+    who renews it is alive: the standby says so once and leaves it alone."""
+    store = SharedDirectoryTransport(tmp_path / "store")
+    store.create_store()
+    published = tmp_path / "g.safetensors"
+    published.write_bytes(b"weights")
+    put_lease(store, Lease("m1", 2, time.time() + TTL, time.time(), "x"))
+    store.publish_global(
+        published, GlobalMetadata.for_file(published, 4, master="m1", lease_epoch=2)
+    )
+    clock = [0.0]
+    standby = Standby(store, "w1", ttl=TTL, monotonic=lambda: clock[0])
+    for _ in range(6):
+        now = time.time()
+        put_lease(store, Lease("m9", 1, now + TTL, now, "same-instance"))  # a renewal
+        assert standby.check() is None
+        clock[0] += TTL  # past lease_ttl + the margin since the first look, in all
+    assert standby.invalid == 1 and store.read_lease().holder == "m9"
+    assert sum("invalid lease" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_store_without_leases_leaves_a_standby_a_worker(tmp_path: Path) -> None:
+    from diloco_fakes import MemoryTransport
+
+    store = MemoryTransport()
+    standby = Standby(store, "w1", ttl=TTL, monotonic=lambda: 1e9)
+    assert standby.check() is None and standby.check() is None
+    assert standby.unsupported and standby.invalid == 0

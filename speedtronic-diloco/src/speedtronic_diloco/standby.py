@@ -47,6 +47,7 @@ from speedtronic_diloco.transports.base import (
     MalformedLeaseError,
     PermanentTransportError,
     Transport,
+    UnsupportedOperation,
 )
 from speedtronic_diloco.transports.side_files import (
     STANDBY_DIR,
@@ -108,6 +109,9 @@ class Standby:
         #: Lease files counted invalid (each distinct one once).
         self.invalid = 0
         self.won: Takeover | None = None
+        #: True once the store turned out to have no lease (nothing to take over).
+        self.unsupported = False
+        self._reported: set[str] = set()  # invalid leases already counted and reported
         self._suspect: tuple[bytes, float] | None = None  # an invalid lease, first seen at
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -146,10 +150,19 @@ class Standby:
                 self.transport.read_lease,
                 stop,
             )
+        except UnsupportedOperation:
+            if not self.unsupported:
+                self.unsupported = True
+                log.info(
+                    "%s has no lease: standby %r cannot take over",
+                    self.transport.description,
+                    self.node_id,
+                )
+            return None
         except PermanentTransportError as exc:  # malformed: hostile or broken
             if isinstance(exc, MalformedLeaseError) and exc.epoch is not None:
                 floor = exc.epoch
-            if not self._invalid_long_enough(str(exc).encode(), str(exc)):
+            if not self._invalid_long_enough(str(exc).encode(), str(exc), str(exc)):
                 return None
             current = None
         except TransportError as exc:
@@ -161,7 +174,8 @@ class Standby:
                 return None
             problem = self._problem(current)
             if problem is not None:
-                if not self._invalid_long_enough(current.dumps(), problem):
+                key = f"{current.holder}/{current.epoch}/{current.instance}"
+                if not self._invalid_long_enough(current.dumps(), key, problem):
                     return None
             elif self.clock() < current.expires_at + CLOCK_MARGIN:
                 self._suspect = None
@@ -188,12 +202,17 @@ class Standby:
             )
         return None
 
-    def _invalid_long_enough(self, content: bytes, problem: str) -> bool:
-        """Count and report an invalid lease once; True once it stayed unchanged for
-        ``lease_ttl`` plus the margin (then it is taken like an expired one)."""
+    def _invalid_long_enough(self, content: bytes, key: str, problem: str) -> bool:
+        """Count and report an invalid lease once (per holder, epoch and instance: a holder
+        that renews it is reported once); True once it stayed unchanged for ``lease_ttl``
+        plus the margin (then it is taken like an expired one; a renewed one is alive)."""
         now = self.monotonic()
         if self._suspect is None or self._suspect[0] != content:
             self._suspect = (content, now)
+        if key not in self._reported:
+            if len(self._reported) > 1000:
+                self._reported.clear()
+            self._reported.add(key)
             self.invalid += 1
             log.warning(
                 "standby %r: invalid lease (%s); taking it over if it stays unchanged for %g s",
@@ -259,7 +278,8 @@ class Standby:
                 continue
             if won is not None:
                 on_win(won)
-                return
+                if self.won is not None:  # not re-armed by a failed take-over
+                    return
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop watching (a won lease keeps renewing: it belongs to the master now)."""
