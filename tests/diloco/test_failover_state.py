@@ -57,6 +57,17 @@ def stores(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
     yield make
 
 
+KEEPERS: list[LeaseKeeper] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_renewals_after_the_test() -> Iterator[None]:
+    """Each test's lease keepers stop renewing when it ends (their store may be gone)."""
+    yield
+    while KEEPERS:
+        KEEPERS.pop().release(0.0)
+
+
 def config(node: str) -> Any:
     return dist_config(
         role="master",
@@ -82,7 +93,7 @@ def master(
     def fetch(metadata: Any) -> dict[str, torch.Tensor]:
         return load_tensors(store.download_global(metadata, where / "global.safetensors"))[0]
 
-    return prepare_master(
+    loop = prepare_master(
         store,
         config(node),
         node_id=node,
@@ -95,6 +106,8 @@ def master(
         current_weights=weights,
         lease=lease,
     )
+    KEEPERS.append(loop.lease)
+    return loop
 
 
 def upload_round(store: Transport, tmp_path: Path, round_: int) -> None:
@@ -120,12 +133,14 @@ def die(loop: MasterOuterLoop) -> None:
     loop.stop(5.0)
     assert loop.lease is not None
     loop.lease.mark_lost("simulated death")
+    loop.lease.release(30.0)  # lost: writes nothing, only waits for a renewal in flight
 
 
 def take_over(store: Transport, node: str) -> LeaseKeeper:
     standby = Standby(store, node, ttl=TTL, clock=lambda: time.time() + LATER)
     won = standby.check()
     assert won is not None, "the standby did not take the lapsed lease"
+    KEEPERS.append(won.keeper)
     return won.keeper
 
 
@@ -219,7 +234,7 @@ def test_a_master_killed_between_the_global_and_its_metadata(tmp_path: Path) -> 
     assert store.read_global_metadata().outer_step == 2
     names = [path for path, _ in store.list_side_files(OUTER_STATE_DIR)]
     assert any("/s00000003-" in name for name in names)  # an orphan nobody names
-    dead.lease.mark_lost("simulated death")
+    die(dead)
 
     successor = master(store, tmp_path, "w1", take_over(store, "w1"))
     assert successor.outer_step == 2  # the metadata's step, with its own state
@@ -228,6 +243,45 @@ def test_a_master_killed_between_the_global_and_its_metadata(tmp_path: Path) -> 
     assert same(successor.global_state, reference.global_state)
     assert same(successor.momentum, reference.momentum)
     assert store.read_global_metadata().outer_step == 3
+
+
+class HubDiesBeforeItsCommit(HubTransport):
+    """Dies right before the commit of a publication (its global, metadata and outer state:
+    one commit on the Hub)."""
+
+    armed = False
+
+    def _commit_global(self, files: Any, published: Any) -> Any:
+        if self.armed:
+            raise Killed
+        return super()._commit_global(files, published)
+
+
+def test_a_hub_master_killed_before_its_publication_commit_leaves_no_orphan(
+    hub: HubEmulator, tmp_path: Path
+) -> None:
+    def store(name: str, kind: type[HubTransport] = HubTransport) -> HubTransport:
+        made = kind(f"speedtronic/{name}", token=TOKEN, endpoint=hub.endpoint, request_timeout=10)
+        made.create_store()
+        return made
+
+    reference = two_rounds(store("reference"), tmp_path)
+    reference.run_round()
+    dying = store("dying", HubDiesBeforeItsCommit)
+    dead = two_rounds(dying, tmp_path)
+    dying.armed = True
+    with pytest.raises(Killed):
+        dead.run_round()
+    dying.armed = False
+    assert dying.read_global_metadata().outer_step == 2
+    assert not any("/s00000003-" in p for p, _ in dying.list_side_files(OUTER_STATE_DIR))
+    die(dead)
+    successor = master(dying, tmp_path, "w1", take_over(dying, "w1"))
+    assert successor.outer_step == 2
+    successor.run_round()
+    assert successor.outer_step == 3
+    assert same(successor.global_state, reference.global_state)
+    assert same(successor.momentum, reference.momentum)
 
 
 def test_a_standby_that_dies_mid_takeover_leaves_a_usable_store(
@@ -241,6 +295,7 @@ def test_a_standby_that_dies_mid_takeover_leaves_a_usable_store(
     die(two_rounds(store, tmp_path))
     first = take_over(store, "w1")
     first.mark_lost("simulated death")  # no renewal, no release: w1 is gone
+    first.release(30.0)  # lost: writes nothing, only waits for a renewal in flight
     standby = Standby(store, "w2", ttl=TTL, clock=lambda: time.time() + 2 * LATER)
     won = standby.check()
     assert won is not None and won.previous_master == "w1" and won.epoch == 3

@@ -6,11 +6,12 @@ history, signatures of accepted deltas and fragment versions.
 **Writing** (with each publication, by :class:`~speedtronic_diloco.master.publish.Publisher`):
 the state of the outer step being published, in the one codec of
 :mod:`speedtronic_diloco.master.state`, goes to an immutable side file
-(``global/outer/s<step>-<sha12>.safetensors``, fenced by the lease) *before* the metadata;
-the metadata then names it (``extra["outer_state"]``: file, sha256, size, outer step). The
-metadata is the commit point: a master killed between the two leaves the previous metadata
-naming the previous state, which is still in the store (the newest few are kept), so a
-reader always gets a global and a state of the same outer step.
+(``global/outer/s<step>-<sha12>.safetensors``, fenced by the lease) *before* the metadata (on
+the Hub: in the publication's own commit); the metadata then names it
+(``extra["outer_state"]``: file, sha256, size, outer step). The metadata is the commit
+point: a master killed between the two leaves the previous metadata naming the previous
+state, which is still in the store (the newest few are kept), so a reader always gets a
+global and a state of the same outer step.
 
 **Reading** (:func:`read_store_state`): the file the metadata names, at the metadata's
 revision, at most its announced size (itself bounded by the global's size) and checked by
@@ -83,7 +84,7 @@ def put_store_state(
         path = outer_state_path(outer_step, sha)
         existing = sorted(transport.list_side_files(OUTER_STATE_DIR), key=lambda e: _step(e[0]))
         keep = {name for name, _ in existing[-KEEP_STATES:]}
-        transport.write_side_file(path, local, fence=fence, keep=keep)
+        transport.write_side_file(path, local, fence=fence, keep=keep, with_publication=True)
         return {"file": path, "sha256": sha, "size": local.stat().st_size, "outer_step": outer_step}
     finally:
         with contextlib.suppress(FileNotFoundError):

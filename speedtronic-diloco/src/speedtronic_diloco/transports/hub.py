@@ -150,30 +150,45 @@ class _SideFiles:
         *,
         fence: Lease | None = None,
         keep: Collection[str] | None = None,
+        with_publication: bool = False,
     ) -> None:
         """One commit adding ``path`` (and deleting the other files of its folder not in
-        ``keep``), on the head the lease was read at (fenced)."""
+        ``keep``), on the head the lease was read at (fenced). ``with_publication``: held
+        back and made part of the next publication's commit instead (one atomic step)."""
         check_side_path(path)
-        folder = path.rsplit("/", 1)[0]
+        if with_publication:
+            self._staged = (path, Path(source).read_bytes(), keep)
+            return
 
         def prepare(raced: bool) -> Commit | Done:
             head, raw = self._head_file(LEASE_FILE, LEASE_LIMIT)
             if fence is not None:
                 current = None if raw is None else Lease.loads(raw, f"{self.description}: lease")
                 check_fence(current, fence.holder, fence.epoch, f"{self.description}: {path}")
-            operations: list[Any] = [CommitOperationAdd(path, str(source))]
-            if keep is not None:
-                operations += [
-                    CommitOperationDelete(path_in_repo=other)
-                    for other, _ in self._side_files_at(folder, head)
-                    if other != path and other not in keep
-                ]
+            operations = self._side_operations(head, path, str(source), keep)
             return Commit(head, operations, f"DumbDiLoCo: {path}", lambda info: None)
 
         self._call(
             f"write {path}",
             lambda: commit_on_head(self._api, self.repo_id, self.description, path, prepare),
         )
+
+    def _side_operations(
+        self, head: str, path: str, source: str | bytes, keep: Collection[str] | None
+    ) -> list[Any]:
+        """Add ``path``; delete the other files of its folder at ``head`` not in ``keep``."""
+        operations: list[Any] = [CommitOperationAdd(path, source)]
+        if keep is not None:
+            operations += [
+                CommitOperationDelete(path_in_repo=other)
+                for other, _ in self._side_files_at(path.rsplit("/", 1)[0], head)
+                if other != path and other not in keep
+            ]
+        return operations
+
+    def _take_staged(self, head: str) -> list[Any]:
+        """The operations of the side file held back for this publication (none: [])."""
+        return [] if self._staged is None else self._side_operations(head, *self._staged)
 
     def read_side_file(
         self,
@@ -247,6 +262,8 @@ class HubTransport(_SideFiles, Transport):
         where = "" if self.endpoint == DEFAULT_ENDPOINT else f" on {shown}"
         self.description = f"hf://{repo_id}{where}"
         self._publish_lock = threading.Lock()
+        # The side file the next publication commits with it (see write_side_file).
+        self._staged: tuple[str, bytes, Collection[str] | None] | None = None
         self._files = HubFiles(repo_id, self.endpoint, self._headers)
 
     @classmethod
@@ -451,19 +468,22 @@ class HubTransport(_SideFiles, Transport):
                 refuse_if_not_newer(self.description, current, head, published, raced)
             return Commit(
                 head,
-                [*files, CommitOperationAdd(GLOBAL_METADATA, payload)],
+                [*files, *self._take_staged(head), CommitOperationAdd(GLOBAL_METADATA, payload)],
                 f"DumbDiLoCo: global weights, outer step {published.outer_step}",
                 lambda info: published.with_revision(info.oid),
             )
 
-        return commit_on_head(
-            self._api,
-            self.repo_id,
-            self.description,
-            f"publishing outer step {published.outer_step}",
-            prepare,
-            hint=" (many concurrent uploads); try again",
-        )
+        try:
+            return commit_on_head(
+                self._api,
+                self.repo_id,
+                self.description,
+                f"publishing outer step {published.outer_step}",
+                prepare,
+                hint=" (many concurrent uploads); try again",
+            )
+        finally:
+            self._staged = None  # written with this publication, or not at all
 
     def upload_delta(self, node_id: str, local_step: int, source: Path) -> None:
         """One commit adding ``nodes/<node_id>/delta_<local_step>.safetensors`` (a commit is

@@ -149,9 +149,10 @@ class _SideFiles:
         *,
         fence: Lease | None = None,
         keep: Collection[str] | None = None,
+        with_publication: bool = False,
     ) -> None:
-        """Write ``source`` to ``path`` atomically (fenced under the lock); see
-        :class:`~speedtronic_diloco.transports.side_files.SideFiles`."""
+        """Write ``source`` to ``path`` atomically (fenced under the lock), now even
+        ``with_publication``; see :class:`~speedtronic_diloco.transports.side_files.SideFiles`."""
         target = self.root / check_side_path(path)
 
         def write() -> None:

@@ -4,9 +4,9 @@ records (fail-over, ``distributed.failover``).
 * ``global/outer/s<outer_step>-<sha12>.safetensors``: the master's
   :class:`~speedtronic_diloco.master.state.OuterState` of one outer step, written under an
   immutable name *before* the publication whose metadata names it
-  (``extra["outer_state"]``). The metadata is the commit point: a master killed between the two
-  leaves the old metadata naming the old state, so a successor always reads a state and a
-  global of the same outer step.
+  (``extra["outer_state"]``), or in the same commit on the Hub. The metadata is the commit
+  point: a master killed between the two leaves the old metadata naming the old state, so a
+  successor always reads a state and a global of the same outer step.
 * ``standbys/<node_id>.json``: a standby master's announcement (``speedtronic diloco status``
   lists the standbys seen).
 
@@ -72,10 +72,14 @@ class SideFiles(Protocol):
         *,
         fence: Lease | None = None,
         keep: Collection[str] | None = None,
+        with_publication: bool = False,
     ) -> None:
         """Write ``source`` to ``path``; with ``fence``, only while the store's lease names its
         holder and epoch (:class:`~speedtronic_diloco.transports.base.LeaseLostError`); with
-        ``keep``, every other file of ``path``'s folder not in ``keep`` is deleted with it."""
+        ``keep``, every other file of ``path``'s folder not in ``keep`` is deleted with it.
+        ``with_publication``: the store may hold the file back and write it in the same
+        atomic step as the next publication (the Hub does: one commit); it is written at
+        the latest with that publication, and not at all if that publication fails."""
 
     def read_side_file(
         self,
