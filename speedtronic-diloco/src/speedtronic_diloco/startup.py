@@ -154,7 +154,7 @@ def prepare_master(
         if tensors is not None and choice is StartupChoice.REMOTE:
             stored = read_store_state(transport, remote, cache_dir, tensors)
         if stored is not None:
-            outer.adopt_state(stored)
+            outer.adopt_state(stored, remote)
             choice = StartupChoice.STORE
         elif tensors is not None:
             outer.adopt(remote.outer_step, tensors, remote.processed, remote.nodes, remote)
