@@ -55,8 +55,8 @@ STATE_ENTRY = "outer_state"
 """The key of the metadata's ``extra`` that names the outer state of its outer step."""
 
 KEEP_STATES = 3
-"""Outer state files kept in the store: the one the metadata names, and a few newer orphans
-of publications that failed after writing their state."""
+"""Outer state files kept in the store, the one being written included: besides it, the one
+the metadata names and room for an orphan of a publication that failed after its state."""
 
 _STEP = re.compile(r"/s(\d{8})-")
 
@@ -83,7 +83,7 @@ def put_store_state(
         sha = sha256_file(local)
         path = outer_state_path(outer_step, sha)
         existing = sorted(transport.list_side_files(OUTER_STATE_DIR), key=lambda e: _step(e[0]))
-        keep = {name for name, _ in existing[-KEEP_STATES:]}
+        keep = {name for name, _ in existing[-(KEEP_STATES - 1) :]}
         transport.write_side_file(path, local, fence=fence, keep=keep, with_publication=True)
         return {"file": path, "sha256": sha, "size": local.stat().st_size, "outer_step": outer_step}
     finally:
