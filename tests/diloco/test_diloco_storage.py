@@ -28,11 +28,13 @@ from speedtronic_diloco.config import DistributedConfig
 from speedtronic_diloco.coordinator import DumbDiLoCoCoordinator
 from speedtronic_diloco.lease import LeaseHeldError
 from speedtronic_diloco.master.loop import MasterOuterLoop, OuterLoopStopped
+from speedtronic_diloco.master.store_state import KEEP_STATES
 from speedtronic_diloco.retry import RetryPolicy
 from speedtronic_diloco.startup import prepare_master
 from speedtronic_diloco.tensors import cpu_state_dict, load_tensors, save_tensors
 from speedtronic_diloco.transports import GLOBAL_METADATA, GlobalMetadata, Lease, Transport
 from speedtronic_diloco.transports.shared_dir import SharedDirectoryTransport
+from speedtronic_diloco.transports.side_files import OUTER_STATE_DIR
 
 NO_WAIT = RetryPolicy(retries=1, backoff=0.0)
 
@@ -209,17 +211,25 @@ def test_long_run_with_restarts_never_reaggregates_and_stays_bounded(tmp_path: P
         assert result is not None, round_
         included += list(result.included)
         if round_ in (10, 50, 100, 160):
+            # The outer states kept in the store (fail-over) are the state file's size each,
+            # counted apart: they grow with the ledger window as the state file does.
+            outer = store.list_side_files(OUTER_STATE_DIR)
+            kept = sum(size for _, size in outer)
             sizes[round_] = (
                 (tmp_path / "store" / GLOBAL_METADATA).stat().st_size,
                 loop.state_path.stat().st_size,
-                store.store_bytes() or 0,
+                (store.store_bytes() or 0) - kept,
+                kept,
+                len(outer),
             )
     assert len(included) == len(set(included)) == 480
     assert loop.outer_step == 160
-    meta10, _, store10 = sizes[10]
-    for meta, _, store_size in (sizes[50], sizes[100], sizes[160]):
+    meta10, _, store10, _, _ = sizes[10]
+    for meta, state_size, store_size, kept, count in (sizes[50], sizes[100], sizes[160]):
         assert meta <= meta10 * 1.1 and store_size <= store10 * 1.2, sizes
+        assert count <= KEEP_STATES and kept <= count * state_size * 1.1, sizes
     assert sizes[160][1] <= sizes[100][1] * 1.05, sizes
+    assert sizes[160][3] <= sizes[100][3] * 1.1, sizes
     assert len(store.list_deltas()) <= 3 * 4  # keep_outer_steps + the current round
 
 

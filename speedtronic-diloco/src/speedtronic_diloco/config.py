@@ -158,6 +158,14 @@ class DistributedConfig(Section):
         help="Master: take over the lease of another master once it has expired (waits for "
         "the expiry; the new lease has epoch + 1).",
     )
+    failover: bool = option(
+        False,
+        help="Worker: be a standby master. It watches the master's lease at every poll and, "
+        "when the lease lapses (not renewed for `lease_ttl`), takes it (epoch + 1; of racing "
+        "standbys exactly one wins) and runs the outer loop from the outer state kept in the "
+        "store while it keeps training. A master whose lease another node took continues as "
+        "a worker instead of stopping.",
+    )
     # --- rounds (issue 23, 29)
     rounds: Literal["async", "sync"] = option(
         "async",

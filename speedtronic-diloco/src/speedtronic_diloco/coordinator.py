@@ -60,13 +60,15 @@ from speedtronic_diloco.codecs import CodecSpec, ErrorFeedback
 from speedtronic_diloco.config import DistributedConfig, distributed_config, resolve_state_dir
 from speedtronic_diloco.fragments import FragmentBook, FragmentLayout, FragmentSchedule
 from speedtronic_diloco.identity import resolve_node_id
+from speedtronic_diloco.lease import LeaseHeldError, LeaseKeeper
 from speedtronic_diloco.master.loop import MasterOuterLoop
 from speedtronic_diloco.node.boundary import OwnProgress, cut
 from speedtronic_diloco.node.context import NodeContext
+from speedtronic_diloco.node.failover import Failover
 from speedtronic_diloco.node.install import Installer
 from speedtronic_diloco.node.lanes import Lane, Uploads, clear_pending
 from speedtronic_diloco.node.resume import PendingUpload
-from speedtronic_diloco.node.rounds import await_first_global, await_round
+from speedtronic_diloco.node.rounds import await_round, join_run
 from speedtronic_diloco.node.state import NodeState, from_checkpoint, to_checkpoint
 from speedtronic_diloco.retry import RetryPolicy
 from speedtronic_diloco.signing import resolve_key
@@ -142,6 +144,7 @@ class DumbDiLoCoCoordinator:
             key=resolve_key(self.config.signing_key),
         )
         self.outer: MasterOuterLoop | None = None
+        self.failover = Failover(self.ctx, self._master_loop) if self.config.failover else None
         # With sync rounds a node installs the global its delta went into: nothing of its own
         # is missing from it (a node dropped from a round takes the newest global as it is).
         keep = self.config.keep_own_progress and self.config.rounds == "async"
@@ -221,15 +224,13 @@ class DumbDiLoCoCoordinator:
             self.transport.description,
             self.config.inner_steps,
         )
-        if self.role == "master":
-            self._start_master()
-        else:
+        if not (self.role == "master" and self._start_master()):
             self._start_worker()
         if self._prepared and self.ctx.state.pending is not None:
             self.pending.resolve(self.model)
         if self.config.async_delta_upload:
             self._upload_lane = Lane(f"diloco-upload-{self.node_id}")
-        if self.config.async_global_poll and self.role == "worker":
+        if self.config.async_global_poll and self.outer is None:
             self._poll_lane = Lane(f"diloco-poll-{self.node_id}")
             if self._prepared:  # resumed: look for newer remote state right away
                 self._poll_lane.submit(self.installer.fetch_newer)
@@ -243,24 +244,25 @@ class DumbDiLoCoCoordinator:
             self._last_poll = -math.inf
             return
         self._last_poll = time.monotonic()
-        read, metadata = self.ctx.retry.attempt(
-            f"reading global metadata from {self.transport.description}",
-            self.transport.read_global_metadata,
-            self.ctx.stop,
-            then="training on local weights",
-        )
-        if read and metadata is None and self.config.rounds == "sync":
-            metadata = await_first_global(self.ctx)
-        if read and metadata is None:
-            log.info("no global weights published yet; training on local weights")
-        if metadata is None:
-            return
-        tensors = self.installer.fetch(metadata)
-        if tensors is not None:
-            self.installer.install(self.model, metadata.outer_step, tensors)
+        join_run(self.ctx, self.installer, self.model)
 
-    def _start_master(self) -> None:
-        self.outer = prepare_master(
+    def _start_master(self) -> bool:  # False: another master holds the lease (failover)
+        try:
+            self.outer = self._master_loop()
+        except LeaseHeldError as exc:
+            if self.failover is None:
+                raise
+            log.warning("%s; starting as a worker (standby: distributed.failover)", exc)
+            return False
+        if not self._prepared:
+            snapshot = self.outer.snapshot()
+            if snapshot is not None:
+                self.installer.install(self.model, *snapshot)
+        self.outer.start(self.config.poll_interval)
+        return True
+
+    def _master_loop(self, lease: LeaseKeeper | None = None) -> MasterOuterLoop:
+        return prepare_master(
             self.transport,
             self.config,
             node_id=self.node_id,
@@ -275,12 +277,8 @@ class DumbDiLoCoCoordinator:
             signing_key=self.ctx.key,
             evaluate=self._evaluate,
             fragments=self.ctx.book.layout,
+            lease=lease,
         )
-        if not self._prepared:
-            snapshot = self.outer.snapshot()
-            if snapshot is not None:
-                self.installer.install(self.model, *snapshot)
-        self.outer.start(self.config.poll_interval)
 
     def finish(self) -> None:
         """End of training, before :meth:`stop`: wait (at most ``round_timeout`` s) for the
@@ -313,6 +311,8 @@ class DumbDiLoCoCoordinator:
         if not self._started:
             return
         self.ctx.stop.set()
+        if self.failover is not None:
+            self.failover.stop()
         deadline = time.monotonic() + STOP_TIMEOUT
         stuck = []
         if self.outer is not None and not self.outer.stop(deadline - time.monotonic()):
@@ -343,7 +343,9 @@ class DumbDiLoCoCoordinator:
                 "DumbDiLoCo: after_optimizer_step got a different model than the coordinator "
                 "was built with"
             )
-        if self.outer is not None:
+        if self.failover is not None:  # may take over, or be fenced and go on as a worker
+            self.outer = self.failover.step(self.outer)
+        elif self.outer is not None:
             self.outer.raise_if_failed()  # a dead outer thread stops the run, loudly
         self.ctx.state.local_step = step
         pushed = loaded = False

@@ -94,8 +94,10 @@ class LeaseKeeper:
         take_over: bool = False,
         retry: RetryPolicy | None = None,
         clock: Callable[[], float] = time.time,
+        failover: bool = False,
     ) -> None:
         self.transport = transport
+        self.failover = failover  # a lost lease makes this master a worker, not a stop
         self.node_id = node_id
         self.ttl = float(ttl)
         self.take_over = take_over
@@ -274,13 +276,20 @@ class LeaseKeeper:
             self.start()
         return self.check()
 
+    def hold(self, lease: Lease) -> None:
+        """Keep ``lease``, written by someone else for this node (a standby's take-over:
+        :mod:`speedtronic_diloco.standby`); :meth:`start` renews it from then on."""
+        with self._lock:
+            self.lease, self.lost, self.instance = lease, None, lease.instance
+
     def mark_lost(self, reason: str) -> None:
         """Record that the lease is gone (a renewal or a fenced write found another holder)."""
         with self._lock:
             first = self.lost is None
             self.lost = reason
         if first:
-            log.error("master lease lost: %s. This master stops publishing.", reason)
+            then = "continues as a worker" if self.failover else "stops publishing"
+            log.error("master lease lost: %s. This master %s.", reason, then)
 
     def renew(self) -> bool:
         """Extend the lease by ``ttl`` (compare-and-swap on the lease last written); True when

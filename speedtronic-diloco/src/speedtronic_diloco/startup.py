@@ -22,6 +22,7 @@ from speedtronic_diloco.fragments import FragmentLayout
 from speedtronic_diloco.lease import LeaseKeeper
 from speedtronic_diloco.master.loop import MasterOuterLoop
 from speedtronic_diloco.master.report import Emit
+from speedtronic_diloco.master.store_state import read_store_state
 from speedtronic_diloco.retry import RetryPolicy
 from speedtronic_diloco.tensors import TensorDict
 from speedtronic_diloco.transports.base import (
@@ -47,6 +48,7 @@ class StartupChoice(enum.Enum):
 
     LOCAL = "local"  # the master's own persisted outer state
     REMOTE = "remote"  # the store's newer global; momentum resets
+    STORE = "store"  # the store's newer global and the outer state kept with it: exact
     REMOTE_INITIAL = "remote_initial"  # both at outer step 0: install the store's weights
     BOOTSTRAP = "bootstrap"  # nothing anywhere: the current model becomes outer step 0
 
@@ -99,6 +101,7 @@ def prepare_master(
     signing_key: bytes | None = None,
     evaluate: Callable[[TensorDict], float] | None = None,
     fragments: FragmentLayout | None = None,
+    lease: LeaseKeeper | None = None,
 ) -> MasterOuterLoop:
     """Provision the store and build the outer loop at the state the run continues from; the
     loop is returned unstarted.
@@ -107,10 +110,15 @@ def prepare_master(
     state directory); ``fetch_global`` downloads (through the cache) the store's weights;
     ``current_weights`` snapshots the model for a bootstrap; ``signing_key`` and ``evaluate``
     go to the outer loop (with the round rules of ``config``); ``fragments`` is the streaming
-    fragment layout (set before a global is adopted, so that its fragment files are kept).
+    fragment layout (set before a global is adopted, so that its fragment files are kept);
+    ``lease`` a lease already held (a standby that took it over), else it is taken here.
+    A newer global of the store comes with the outer state it was published with, when the
+    store keeps one (:mod:`~speedtronic_diloco.master.store_state`): the run continues from
+    it exactly (``store``), else from the weights alone with the momentum restarted.
     """
     provision_store(transport, config)
-    lease = take_lease(transport, config, node_id, retry, stop)
+    if lease is None:
+        lease = take_lease(transport, config, node_id, retry, stop)
     outer = MasterOuterLoop(
         transport,
         node_id=node_id,
@@ -142,7 +150,13 @@ def prepare_master(
     if choice in (StartupChoice.REMOTE, StartupChoice.REMOTE_INITIAL):
         assert remote is not None
         tensors = fetch_global(remote)
-        if tensors is not None:
+        stored = None
+        if tensors is not None and choice is StartupChoice.REMOTE:
+            stored = read_store_state(transport, remote, cache_dir, tensors)
+        if stored is not None:
+            outer.adopt_state(stored, remote)
+            choice = StartupChoice.STORE
+        elif tensors is not None:
             outer.adopt(remote.outer_step, tensors, remote.processed, remote.nodes, remote)
         else:
             # Train on, but number the next outer step after the store's version.
@@ -172,7 +186,12 @@ def take_lease(
     second master refuses to start. A store that cannot be reached now is a warning: the lease
     is taken before the first publication instead."""
     keeper = LeaseKeeper(
-        transport, node_id, ttl=config.lease_ttl, take_over=config.take_over, retry=retry
+        transport,
+        node_id,
+        ttl=config.lease_ttl,
+        take_over=config.take_over,
+        retry=retry,
+        failover=config.failover,
     )
     try:
         keeper.acquire(stop)

@@ -27,9 +27,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from speedtronic.cli import add_set_option, load_config
@@ -71,6 +73,8 @@ class RunStatus:
     #: The nodes that left (a left record), apart from ``nodes``: their row plus
     #: ``last_step``, ``reason`` and ``left_at``.
     left: list[dict[str, Any]] = field(default_factory=list)
+    #: Standby masters seen (``distributed.failover``): ``node_id``, ``announced_at``.
+    standbys: list[dict[str, Any]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -96,6 +100,7 @@ class RunStatus:
             "last_round": self.last_round,
             "nodes": self.nodes,
             "left": self.left,
+            "standbys": self.standbys,
             "problems": self.problems,
             **({"fragment_files": self.fragment_files} if self.fragment_files else {}),
         }
@@ -112,6 +117,8 @@ def _attempt(status: RunStatus, what: str, fn: Callable[[], Any]) -> Any:
 def collect_status(transport: Any, now: float | None = None) -> RunStatus:
     """Read the run's state from ``transport`` (reads only; a part that cannot be read is
     named in ``problems`` and left empty)."""
+    from speedtronic_diloco.lease import CLOCK_MARGIN
+    from speedtronic_diloco.standby import read_standbys
     from speedtronic_diloco.transports import UnsupportedOperation
 
     status = RunStatus(transport.description, time.time() if now is None else now)
@@ -147,7 +154,13 @@ def collect_status(transport: Any, now: float | None = None) -> RunStatus:
             "expires_at": lease.expires_at,
             "expires_in_s": lease.expires_at - status.checked_at,
             "renewed_at": lease.renewed_at,
+            # when a standby takes it over if it is not renewed (or released) by then
+            "lapses_at": None if lease.released else lease.expires_at + CLOCK_MARGIN,
         }
+    with tempfile.TemporaryDirectory() as scratch:
+        found = _attempt(status, "standbys", lambda: read_standbys(transport, Path(scratch)))
+    holder = lease.holder if lease is not None else None
+    status.standbys = [r for r in found or () if r["node_id"] != holder]
     listing = _attempt(status, "delta listing", transport.list_deltas) or []
     status.store_bytes = _attempt(status, "store size", transport.store_bytes)
     status.nodes = _node_rows(metadata, listing, status.checked_at)
@@ -332,8 +345,10 @@ def summary_lines(status: RunStatus) -> list[str]:
     if lease is None:
         holder = DASH
     elif lease["state"] == "live":
+        lapses = lease["lapses_at"] - status.checked_at
         holder = (
-            f"{lease['holder']} (epoch {lease['epoch']}, expires in {_age(lease['expires_in_s'])})"
+            f"{lease['holder']} (epoch {lease['epoch']}, expires in {_age(lease['expires_in_s'])}"
+            f", lapses in {_age(lapses)} unless renewed)"
         )
     else:
         holder = f"{lease['holder']} (epoch {lease['epoch']}, {lease['state']})"
@@ -348,6 +363,7 @@ def summary_lines(status: RunStatus) -> list[str]:
         f"eval loss    {_cell(status.eval_loss)}",
         f"last round   {_round_line(status.last_round) if status.last_round else DASH}",
         f"lease        {holder}",
+        f"standbys     {_standbys(status) or DASH}",
         f"store size   {_size(status.store_bytes)}",
     ]
     if status.fragment_files:
@@ -356,6 +372,13 @@ def summary_lines(status: RunStatus) -> list[str]:
         total = sum(int(entry["size"]) for entry in files)
         lines.append(f"fragments    {len(files)} files at outer steps {steps}, {_size(total)}")
     return lines
+
+
+def _standbys(status: RunStatus) -> str:
+    return ", ".join(
+        f"{r['node_id']} (announced {_age(status.checked_at - r['announced_at'])} ago)"
+        for r in status.standbys
+    )
 
 
 COLUMNS = (

@@ -224,6 +224,21 @@ class OuterStateKeeper:
                     )
         self.save()
 
+    def adopt_state(self, stored: OuterState, remote: GlobalMetadata | None = None) -> None:
+        """Continue exactly from the outer state the store keeps for its current global
+        (:mod:`~speedtronic_diloco.master.store_state`): a successor master's next outer step
+        is the one its predecessor would have made. The fragment files are those ``remote``
+        (the global's metadata) lists: the state was written before they were published."""
+        with self._lock:
+            self.state = self._keeping_layout(replace(stored, published_step=stored.outer_step))
+            if remote is not None:
+                with contextlib.suppress(FragmentFileError):
+                    self.state.fragments.adopt_published(
+                        lambda layout: check_fragment_metadata(remote, layout),
+                        remote.fragment_files,
+                    )
+        self.save()
+
     def continue_after(self, store_step: int) -> None:
         """The store holds ``store_step`` but its weights could not be fetched: keep the local
         weights, do not republish, and number the next outer step after the store's."""

@@ -149,9 +149,7 @@ class MasterOuterLoop(OuterStateKeeper):
                 return None
             step = state.outer_step
             extra = dict(self._extra) if self._extra.get("outer_step") == step else {}
-            item = Publication.of(
-                state, self.node_id, extra, deltas_included, self.transport.supports_fragment_files
-            )
+            item = Publication.of(state, self.node_id, extra, deltas_included, self.transport)
         with self._round_lock:
             published = self.publisher.publish(item)
         if published is None:
@@ -415,6 +413,8 @@ class MasterOuterLoop(OuterStateKeeper):
                 self._stop.wait(max(interval, 0.05))
         except BaseException as exc:  # never end silently: the coordinator stops the run
             self.failure = exc
+            if isinstance(exc, LeaseError) and getattr(self.lease, "failover", False):
+                return  # fenced: the lease keeper said so; the node goes on as a worker
             log.critical(
                 "!!! DumbDiLoCo master: the outer loop stopped (%s: %s); nothing more is "
                 "aggregated or published, and the run stops",

@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,8 @@ from speedtronic.errors import TransportError
 from speedtronic_diloco.codecs import encode_global
 from speedtronic_diloco.fragment_files import fragment_header, fragment_tensors
 from speedtronic_diloco.fragments import FragmentLayout
-from speedtronic_diloco.master.state import OuterState
+from speedtronic_diloco.master.state import OuterState, encode
+from speedtronic_diloco.master.store_state import STATE_ENTRY, put_store_state, stores_state
 from speedtronic_diloco.retry import RetryPolicy
 from speedtronic_diloco.signing import sign_file
 from speedtronic_diloco.tensors import TensorDict, save_tensors
@@ -49,6 +50,7 @@ class Publication:
     layout: FragmentLayout | None  # one file per fragment of this layout, or one whole file
     versions: Sequence[int] = ()  # per fragment
     known: Sequence[FragmentFile | None] = ()  # this master's published file per fragment
+    state: tuple[TensorDict, dict[str, str]] | None = None  # the encoded outer state, to store
 
     @classmethod
     def of(
@@ -57,11 +59,12 @@ class Publication:
         master: str,
         extra: dict[str, Any],
         deltas_included: int,
-        fragment_files: bool,
+        store: Transport,
     ) -> Publication:
-        """What publishing ``state`` means: its global, ledger window and node summaries,
-        ``extra`` (the last round's entry) plus the fragment book's; one file per fragment
-        where the store has ``fragment_files``."""
+        """What publishing ``state`` to ``store`` means: its global, ledger window and node
+        summaries, ``extra`` (the last round's entry) plus the fragment book's; one file per
+        fragment where the store has fragment files; the outer state itself where the store
+        keeps side files (:mod:`~speedtronic_diloco.master.store_state`)."""
         assert state.global_state is not None
         book = state.fragments
         extra = {**extra, **book.extra()}
@@ -74,9 +77,11 @@ class Publication:
             "nodes": nodes,
             "eval_loss": extra.get("eval_loss"),
         }
-        layout = book.publishes_files(fragment_files)
+        layout = book.publishes_files(store.supports_fragment_files)
         versions, files = list(book.versions), list(book.files)
-        return cls(state.outer_step, state.global_state, fields, layout, versions, files)
+        stored = replace(state, published_step=state.outer_step)
+        encoded = encode(stored, master) if stores_state(store) else None
+        return cls(state.outer_step, state.global_state, fields, layout, versions, files, encoded)
 
 
 class Publisher:
@@ -131,7 +136,19 @@ class Publisher:
             "lease_epoch": fence.epoch if fence is not None else None,
         }
         failures: list[TransportError] = []
-        if item.layout is not None:
+        stored = True
+        if item.state is not None:  # before the metadata that names it: see store_state
+            stored, entry = self._attempt(
+                f"storing the outer state of outer step {step} in {self.transport.description}",
+                lambda: put_store_state(self.transport, item.state, step, self.directory, fence),
+                failures,
+            )
+            if stored:
+                fields["extra"] = {**fields["extra"], STATE_ENTRY: entry}
+        done, published = False, None
+        if not stored:
+            pass  # no global without its state: a successor would restart the momentum
+        elif item.layout is not None:
             done, published = self._fragment_files(item, fields, failures)
         else:
             done, published = self._whole(item, fields, failures)

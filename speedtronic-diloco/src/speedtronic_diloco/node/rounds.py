@@ -19,7 +19,7 @@ from speedtronic_diloco.node.context import NodeContext
 from speedtronic_diloco.node.install import Installer
 from speedtronic_diloco.node.lanes import Lane
 
-__all__ = ["SYNC_POLL_S", "await_first_global", "await_round"]
+__all__ = ["SYNC_POLL_S", "await_first_global", "await_round", "join_run"]
 
 log = logging.getLogger("speedtronic.diloco")
 
@@ -100,3 +100,24 @@ def await_round(
     )
     ctx.queue_event("round_wait_timeout", {"base_outer_step": base, "waited_s": round(waited, 3)})
     return False
+
+
+def join_run(ctx: NodeContext, installer: Installer, model: nn.Module) -> None:
+    """A worker's start: install the store's current global, if there is one (with sync
+    rounds, wait for the first one); a store that cannot be read now leaves the local weights
+    (polling finds the global later)."""
+    read, metadata = ctx.retry.attempt(
+        f"reading global metadata from {ctx.transport.description}",
+        ctx.transport.read_global_metadata,
+        ctx.stop,
+        then="training on local weights",
+    )
+    if read and metadata is None and ctx.config.rounds == "sync":
+        metadata = await_first_global(ctx)
+    if read and metadata is None:
+        log.info("no global weights published yet; training on local weights")
+    if metadata is None:
+        return
+    tensors = installer.fetch(metadata)
+    if tensors is not None:
+        installer.install(model, metadata.outer_step, tensors)

@@ -42,11 +42,12 @@ The layout is the one of :mod:`speedtronic_diloco.transports.base`. What the Hub
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
@@ -101,6 +102,7 @@ from speedtronic_diloco.transports.hub_errors import classify, raise_redacted, r
 from speedtronic_diloco.transports.hub_files import HubFiles
 from speedtronic_diloco.transports.hub_members import HubMembers
 from speedtronic_diloco.transports.hub_session import hub_call
+from speedtronic_diloco.transports.side_files import check_side_path
 
 if TYPE_CHECKING:
     from speedtronic_diloco.config import DistributedConfig
@@ -139,7 +141,93 @@ def fragment_path(index: int) -> str:
     return f"global/fragment_{index}.safetensors"
 
 
-class HubTransport(HubMembers, Transport):
+class _SideFiles:
+    """:class:`~speedtronic_diloco.transports.side_files.SideFiles` of a Hub repository."""
+
+    def write_side_file(
+        self,
+        path: str,
+        source: Path,
+        *,
+        fence: Lease | None = None,
+        keep: Collection[str] | None = None,
+        with_publication: bool = False,
+    ) -> None:
+        """One commit adding ``path`` (and deleting the other files of its folder not in
+        ``keep``), on the head the lease was read at (fenced). ``with_publication``: held
+        back and made part of the next publication's commit instead (one atomic step)."""
+        check_side_path(path)
+        if with_publication:
+            self._staged = (path, Path(source).read_bytes(), keep)
+            return
+
+        def prepare(raced: bool) -> Commit | Done:
+            head, raw = self._head_file(LEASE_FILE, LEASE_LIMIT)
+            if fence is not None:
+                current = None if raw is None else Lease.loads(raw, f"{self.description}: lease")
+                check_fence(current, fence.holder, fence.epoch, f"{self.description}: {path}")
+            operations = self._side_operations(head, path, str(source), keep)
+            return Commit(head, operations, f"DumbDiLoCo: {path}", lambda info: None)
+
+        self._call(
+            f"write {path}",
+            lambda: commit_on_head(self._api, self.repo_id, self.description, path, prepare),
+        )
+
+    def _side_operations(
+        self, head: str, path: str, source: str | bytes, keep: Collection[str] | None
+    ) -> list[Any]:
+        """Add ``path``; delete the other files of its folder at ``head`` not in ``keep``."""
+        operations: list[Any] = [CommitOperationAdd(path, source)]
+        if keep is not None:
+            operations += [
+                CommitOperationDelete(path_in_repo=other)
+                for other, _ in self._side_files_at(path.rsplit("/", 1)[0], head)
+                if other != path and other not in keep
+            ]
+        return operations
+
+    def _take_staged(self, head: str) -> list[Any]:
+        """The operations of the side file held back for this publication (none: [])."""
+        return [] if self._staged is None else self._side_operations(head, *self._staged)
+
+    def read_side_file(
+        self,
+        path: str,
+        dest: Path,
+        *,
+        size: int,
+        sha256: str | None = None,
+        revision: str | None = None,
+    ) -> Path:
+        """Download the side file ``path`` at ``revision`` (default: the head), checked."""
+        check_side_path(path)
+        at = revision or "main"
+        return self._call(
+            f"download {path}@{at[:12]}",
+            lambda: self._files.download(path, at, Path(dest), size=size, sha256=sha256),
+        )
+
+    def list_side_files(self, folder: str) -> list[tuple[str, int]]:
+        """``(path, size)`` of the side files in ``folder`` at the head."""
+        return self._call(f"list {folder}", lambda: self._side_files_at(folder, "main"))
+
+    def _side_files_at(self, folder: str, revision: str) -> list[tuple[str, int]]:
+        try:
+            entries = list(
+                self._api.list_repo_tree(self.repo_id, path_in_repo=folder, revision=revision)
+            )
+        except RemoteEntryNotFoundError:
+            return []
+        found = []
+        for entry in entries:
+            if isinstance(entry, RepoFile):
+                with contextlib.suppress(PermanentTransportError):
+                    found.append((check_side_path(entry.path), int(entry.size or 0)))
+        return found
+
+
+class HubTransport(HubMembers, _SideFiles, Transport):
     """The DiLoCo store in the Hub model repository ``repo_id`` (``<user or org>/<name>``).
 
     Thread-safe: requests share the client's connection pool, publications are serialized.
@@ -175,6 +263,8 @@ class HubTransport(HubMembers, Transport):
         where = "" if self.endpoint == DEFAULT_ENDPOINT else f" on {shown}"
         self.description = f"hf://{repo_id}{where}"
         self._publish_lock = threading.Lock()
+        # The side file the next publication commits with it (see write_side_file).
+        self._staged: tuple[str, bytes, Collection[str] | None] | None = None
         self._files = HubFiles(repo_id, self.endpoint, self._headers)
 
     @classmethod
@@ -379,19 +469,22 @@ class HubTransport(HubMembers, Transport):
                 refuse_if_not_newer(self.description, current, head, published, raced)
             return Commit(
                 head,
-                [*files, CommitOperationAdd(GLOBAL_METADATA, payload)],
+                [*files, *self._take_staged(head), CommitOperationAdd(GLOBAL_METADATA, payload)],
                 f"DumbDiLoCo: global weights, outer step {published.outer_step}",
                 lambda info: published.with_revision(info.oid),
             )
 
-        return commit_on_head(
-            self._api,
-            self.repo_id,
-            self.description,
-            f"publishing outer step {published.outer_step}",
-            prepare,
-            hint=" (many concurrent uploads); try again",
-        )
+        try:
+            return commit_on_head(
+                self._api,
+                self.repo_id,
+                self.description,
+                f"publishing outer step {published.outer_step}",
+                prepare,
+                hint=" (many concurrent uploads); try again",
+            )
+        finally:
+            self._staged = None  # written with this publication, or not at all
 
     def upload_delta(self, node_id: str, local_step: int, source: Path) -> None:
         """One commit adding ``nodes/<node_id>/delta_<local_step>.safetensors`` (a commit is

@@ -38,7 +38,7 @@ import re
 import shutil
 import stat
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
@@ -66,6 +66,7 @@ from speedtronic_diloco.transports.base import (
     write_verified,
 )
 from speedtronic_diloco.transports.shared_dir_members import SharedDirMembers
+from speedtronic_diloco.transports.side_files import check_side_path
 
 try:
     import fcntl
@@ -139,7 +140,66 @@ def _kind(mode: int) -> str | None:
     return "not a regular file"
 
 
-class SharedDirectoryTransport(SharedDirMembers, Transport):
+class _SideFiles:
+    """:class:`~speedtronic_diloco.transports.side_files.SideFiles` of a shared directory."""
+
+    def write_side_file(
+        self,
+        path: str,
+        source: Path,
+        *,
+        fence: Lease | None = None,
+        keep: Collection[str] | None = None,
+        with_publication: bool = False,
+    ) -> None:
+        """Write ``source`` to ``path`` atomically (fenced under the lock), now even
+        ``with_publication``; see :class:`~speedtronic_diloco.transports.side_files.SideFiles`."""
+        target = self.root / check_side_path(path)
+
+        def write() -> None:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with self._exclusive():
+                if fence is not None:
+                    check_fence(self._lease_now(), fence.holder, fence.epoch, f"{target}: write")
+                write_verified(_local_chunks(Path(source)), target, where=str(source))
+                for name in os.listdir(target.parent) if keep is not None else ():
+                    rel = f"{path.rsplit('/', 1)[0]}/{name}"
+                    if rel != path and rel not in keep and not name.startswith("."):
+                        with contextlib.suppress(FileNotFoundError):
+                            (target.parent / name).unlink()
+
+        _classify(f"write {target}", write)
+
+    def read_side_file(
+        self,
+        path: str,
+        dest: Path,
+        *,
+        size: int,
+        sha256: str | None = None,
+        revision: str | None = None,
+    ) -> Path:
+        """Copy the side file ``path`` to ``dest`` (bounded, checked); FileNotFoundError
+        becomes a TransientTransportError."""
+        source = self.root / check_side_path(path)
+        return _classify(
+            f"read {source}", lambda: self._copy_verified(source, Path(dest), size, sha256)
+        )
+
+    def list_side_files(self, folder: str) -> list[tuple[str, int]]:
+        """``(path, size)`` of the regular files in ``folder`` whose names are side files."""
+        found = []
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            for name in sorted(os.listdir(self.root / folder)):
+                rel = f"{folder}/{name}"
+                with contextlib.suppress(OSError, PermanentTransportError):
+                    info = os.lstat(self.root / check_side_path(rel))
+                    if stat.S_ISREG(info.st_mode):
+                        found.append((rel, info.st_size))
+        return found
+
+
+class SharedDirectoryTransport(SharedDirMembers, _SideFiles, Transport):
     """The layout of :mod:`speedtronic_diloco.transports.base` under ``root``."""
 
     supports_fragment_files = True
