@@ -22,12 +22,15 @@ def test_the_view_has_the_models_keys_and_takes_installs_like_it() -> None:
         assert torch.equal(tensor, full[name]), name
     # The coordinator installs a global into the view; the group then reads it back whole.
     shifted = {k: v + 1 if v.is_floating_point() else v for k, v in full.items()}
+    assert view.writes == 0
     installed, skipped = install_state(view, shifted)
+    assert view.writes == 1  # what tells the group its shards need the view's weights
     assert sorted(installed) == sorted(full) and skipped == []
     for name, tensor in view.state_dict().items():
         assert torch.equal(tensor, shifted[name]), name
     # A later gather replaces the view's tensors: the next delta is measured from them.
     view.replace(cpu_state_dict(full))
+    assert view.writes == 1  # a gather is not an install
     delta = compute_pseudo_gradient(shifted, view.state_dict())
     assert all(torch.allclose(d, torch.ones_like(d)) for d in delta.values())
     assert not list(view.parameters())  # no parameters: nothing trains on it

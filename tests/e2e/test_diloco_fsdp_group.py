@@ -4,7 +4,9 @@ as real processes over a shared directory.
 1. With a single-process master: the group trains, the master aggregates its deltas, the group
    installs the globals, and after every step both ranks hold the same full weights (gathered
    from their shards and hashed). Rank 1 never opens the store.
-2. Alone, killed (SIGKILL, the whole process group) after a checkpoint recorded an upload that
+2. An FSDP master alone: its rounds aggregate its own deltas, it scores each new global on an
+   unsharded model built from its config (``eval_globals``), and its ranks stay identical.
+3. Alone, killed (SIGKILL, the whole process group) after a checkpoint recorded an upload that
    landed later, and resumed from its DCP checkpoint: the store's deltas add up to exactly how
    far its weights moved (nothing sent twice, nothing lost), as for a single-process node
    (tests/e2e/test_diloco_resume_e2e.py).
@@ -65,7 +67,7 @@ def after_optimizer_step(trainer, model, step):
     rank = trainer.parallel.rank
     with open(OUT / f"hashes_rank{rank}.jsonl", "a") as handle:
         handle.write(json.dumps({"step": step, "sha": digest(model)}) + "\\n")
-    if step == 6 and rank == 0:
+    if step == 6 and rank == 0 and os.environ.get("PROBE_STORE"):
         # Hold until the master has published a global built from our delta, so the next
         # boundary (step 9) installs it (rank 1 waits in the next collective).
         global_file = Path(os.environ["PROBE_STORE"]) / "global" / "step_count.json"
@@ -133,10 +135,7 @@ def test_an_fsdp_worker_group_trains_and_keeps_its_ranks_identical(tmp_path: Pat
         )
     finally:
         kill_all([master, worker])
-    hashes = [
-        [json.loads(line) for line in (tmp_path / f"hashes_rank{r}.jsonl").read_text().splitlines()]
-        for r in (0, 1)
-    ]
+    hashes = read_hashes(tmp_path)
     assert [h["step"] for h in hashes[0]] == list(range(1, 13)) == [h["step"] for h in hashes[1]]
     diverged = [a["step"] for a, b in zip(*hashes) if a["sha"] != b["sha"]]
     assert not diverged, diverged
@@ -149,6 +148,42 @@ def test_an_fsdp_worker_group_trains_and_keeps_its_ranks_identical(tmp_path: Pat
     end = next(e for e in events if e["event"] == "train_end")
     assert end["weights_replaced"] >= 2
     assert not list(tmp_path.glob("store_opened_rank*"))  # only rank 0 touched the store
+
+
+def read_hashes(tmp_path: Path) -> list[list[dict[str, object]]]:
+    return [
+        [json.loads(line) for line in (tmp_path / f"hashes_rank{r}.jsonl").read_text().splitlines()]
+        for r in (0, 1)
+    ]
+
+
+def test_an_fsdp_master_scores_its_globals_and_keeps_its_ranks_identical(tmp_path: Path) -> None:
+    config = write_config(
+        tmp_path,
+        "master.yaml",
+        run={"max_steps": 9, "seed": 1},
+        model={"max_seq_len": 16, "n_kv_head": None},
+        data={"micro_batch_size": 2, "target_batch_size": 4},
+        eval={"at_end": True, "batches": 2},
+        checkpoint={"save_final": False},
+        logging={"log_every": 1},
+        distributed={"inner_steps": 3, "min_deltas": 1, "round_timeout": 5.0},
+    )
+    master = fsdp_worker(Node(tmp_path, config, "master", "m"), tmp_path, PROBE_HASH="1")
+    try:
+        master.start()
+        assert master.wait(WAIT) == 0, master.tail()
+    finally:
+        kill_all([master])
+    rounds, scored = master.events("outer_step"), master.events("outer_eval")
+    assert rounds and [e["outer_step"] for e in scored] == [r["outer_step"] for r in rounds]
+    assert all(e["loss"] > 0 for e in scored)
+    assert ("m", 3) in {d for r in rounds for d in included(r)}
+    hashes = read_hashes(tmp_path)
+    assert [h["step"] for h in hashes[0]] == list(range(1, 10)) == [h["step"] for h in hashes[1]]
+    diverged = [a["step"] for a, b in zip(*hashes) if a["sha"] != b["sha"]]
+    assert not diverged, diverged
+    assert not list(tmp_path.glob("store_opened_rank*"))
 
 
 def test_an_fsdp_group_resumed_from_its_dcp_checkpoint_sends_nothing_twice(

@@ -230,16 +230,19 @@ def _sync_point(section: DistributedConfig, step: int, final: bool) -> bool:
 def _agree_across_ranks(trainer: Any, model: Any, step: int, final: bool, replaced: bool) -> bool:
     """A node that is a DDP or FSDP group: at each sync point (a fragment's boundary, or the
     last step) rank 0 tells the other ranks whether it pushed or installed, and hands its
-    weights to them when it did, so the ranks never diverge. One small collective per sync
+    weights to them when they changed, so the ranks never diverge. One small collective per sync
     point, none on the steps between."""
     section = _section(trainer.config)
     assert section is not None
     if not _sync_point(section, step, final):
         return False
-    replaced = bool(trainer.parallel.broadcast(replaced))
-    if replaced:
-        run = run_of(trainer)
-        assert run is not None
+    run = run_of(trainer)
+    assert run is not None
+    # A DDP group re-broadcasts after any push or install; an FSDP group's shards need rank
+    # 0's view only when a global was installed into it (a push leaves the view as gathered).
+    changed = run.group.written if run.group is not None else replaced
+    replaced, changed = (bool(v) for v in trainer.parallel.broadcast((replaced, changed)))
+    if changed:
         _weights_from_main(run, model)
     return replaced
 
