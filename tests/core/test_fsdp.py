@@ -67,7 +67,6 @@ def test_bad_fsdp_values_name_their_field(fsdp: dict[str, object], field: str) -
     [
         ({"ooo_backprop": {"enabled": True}}, "ooo_backprop.enabled"),
         ({"optimizer": {"name": "muon"}}, "optimizer.name"),
-        ({"checkpoint": {"async_save": True}}, "checkpoint.async_save"),
     ],
 )
 def test_combinations_fsdp_cannot_train_are_refused(

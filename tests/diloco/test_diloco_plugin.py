@@ -236,14 +236,26 @@ def test_reset_inner_optimizer_switch_on(tmp_path: Path) -> None:
     assert runtime.trainer.reset_optimizer_on_weight_replace is True
 
 
-def test_a_node_with_fsdp_is_refused_before_its_first_step(tmp_path: Path) -> None:
+def test_a_node_with_fsdp_on_one_process_uploads_and_checkpoints_its_state(
+    tmp_path: Path,
+) -> None:
+    # One process has nothing to shard: the node trains whole, and its checkpoints are DCP
+    # directories whose state.json carries the node's state (the 2-rank group is in
+    # tests/e2e/test_diloco_fsdp_group.py).
     config = config_dict(tmp_path, role="worker", node_id="w")
     config["parallel"] = {"strategy": "fsdp"}
     runtime = build_runtime(config, console=False)
-    with pytest.raises(ConfigError, match=r"^parallel\.strategy: is fsdp, which a DiLoCo node"):
-        runtime.trainer.fit()
-    assert runtime.trainer.step == 0
-    assert not list(runtime.trainer.checkpoints.directory.glob("step_*"))
+    runtime.trainer.fit()
+    assert runtime.trainer.step == 12
+    store = shared_dir_root(f"file://{tmp_path}/store")
+    assert sorted(p.name for p in (store / "nodes" / "w").glob("delta_*.safetensors")) == [
+        "delta_12.safetensors",
+        "delta_4.safetensors",
+        "delta_8.safetensors",
+    ]
+    loaded = runtime.trainer.checkpoints.load_latest(weights=False)
+    assert loaded is not None and (loaded.path / "dcp").is_dir()
+    assert loaded.state["plugins"]["diloco"]["local_step"] == 12
 
 
 def test_resume_hands_checkpoint_state_over_before_start(

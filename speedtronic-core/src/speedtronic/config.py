@@ -342,14 +342,6 @@ def _check_fsdp_combination(config: SpeedtronicConfig) -> None:
             "matrices, and each rank holds only a shard of them; use adamw or ddp",
             "optimizer.name",
         )
-    if config.checkpoint.async_save:
-        raise ConfigError(
-            "cannot be combined with parallel.strategy fsdp yet: a sharded save is collective "
-            "(every rank writes its shards, then rank 0 commits the checkpoint), which a "
-            "background write off the training path does not do; set checkpoint.async_save: "
-            "false (or use parallel.strategy ddp)",
-            "checkpoint.async_save",
-        )
 
 
 def _provided_sections() -> list[tuple[str, str]]:

@@ -380,8 +380,8 @@ class CheckpointConfig(Section):
         False,
         help="Copy the state to CPU memory at the save step and write it in a background "
         "thread while training goes on (one write in flight; a failure is raised at the next "
-        "step). The run's end and a stop signal wait for it. Not with `parallel.strategy: fsdp` "
-        "(sharded saves are collective).",
+        "step). The run's end and a stop signal wait for it. With `parallel.strategy: fsdp` "
+        "every rank copies its shards and writes them in the background.",
     )
     save_final: bool = option(True, help="Save at the end of a successful fit.")
     save_retry_pause: float = option(

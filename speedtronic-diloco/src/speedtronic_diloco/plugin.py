@@ -31,12 +31,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from speedtronic import hookimpl
-from speedtronic.errors import ConfigError, PluginError
+from speedtronic.errors import PluginError
 from speedtronic_diloco.config import DistributedConfig, resolve_state_dir
 from speedtronic_diloco.identity import node_data_seed, resolve_node_id
 
 if TYPE_CHECKING:  # the coordinator (torch) loads only when a DiLoCo run starts
     from speedtronic_diloco.coordinator import DumbDiLoCoCoordinator
+    from speedtronic_diloco.node.sharded import ShardedGroup
 
 log = logging.getLogger("speedtronic.diloco")
 
@@ -50,7 +51,8 @@ class DiLoCoRun:
 
     coordinator: DumbDiLoCoCoordinator | None = None  # built at train start
     checkpointed: dict[str, Any] | None = None  # coordinator state restored before the start
-    follower: bool = False  # a DDP rank other than 0: rank 0 runs the node's coordinator
+    follower: bool = False  # a DDP/FSDP rank other than 0: rank 0 runs the node's coordinator
+    group: ShardedGroup | None = None  # the node is an FSDP group (parallel.strategy: fsdp)
 
 
 def _section(config: Any) -> DistributedConfig | None:
@@ -156,31 +158,28 @@ def on_train_start(trainer: Any) -> None:
     from speedtronic_diloco.coordinator import DumbDiLoCoCoordinator
     from speedtronic_diloco.membership import announce_back
 
-    if trainer.config.parallel.strategy == "fsdp":
-        # The coordinator reads and installs whole tensors of the model it is given; sharded
-        # (DTensor) parameters would need the full-state helpers at every sync point.
-        raise ConfigError(
-            "is fsdp, which a DiLoCo node (distributed.enabled) does not run yet; use ddp "
-            "(or none) inside the node",
-            "parallel.strategy",
-        )
     run = _run_for(trainer)
     parallel = trainer.parallel
     if parallel.enabled:
         if section.install_at != "boundary":
             raise PluginError(
-                "distributed.install_at: a DiLoCo node that is a DDP group installs globals at "
-                "its inner-loop boundaries only, where its ranks agree; set it to boundary"
+                "distributed.install_at: a DiLoCo node that is a DDP or FSDP group installs "
+                "globals at its inner-loop boundaries only, where its ranks agree; set it to "
+                "boundary"
             )
         trainer.reset_optimizer_on_weight_replace = section.reset_inner_optimizer
+        if trainer.fsdp is not None:
+            from speedtronic_diloco.node.sharded import ShardedGroup
+
+            run.group = ShardedGroup(trainer.model, parallel.is_main)  # every rank gathers
         if not parallel.is_main:
             run.follower = True  # rank 0 of the group runs the coordinator for the node
-            _broadcast_weights(trainer.model)  # what rank 0 starts from (maybe a global)
+            _weights_from_main(run, trainer.model)  # what rank 0 starts from (maybe a global)
             return
     if run.coordinator is None:
         run.coordinator = DumbDiLoCoCoordinator(
             section,
-            trainer.model,
+            _coordinated(run, trainer.model),
             state_dir=state_dir_for(trainer.config, section),
             logger=trainer,
             evaluate=global_evaluator(trainer, section),
@@ -193,7 +192,15 @@ def on_train_start(trainer: Any) -> None:
     announce_back(coordinator.transport, coordinator.node_id, retry=coordinator.ctx.retry)
     coordinator.start()
     if parallel.enabled:
-        _broadcast_weights(trainer.model)  # the start may have installed the current global
+        _weights_from_main(run, trainer.model)  # the start may have installed the current global
+
+
+def _coordinated(run: DiLoCoRun, model: Any) -> Any:
+    """The module rank 0's coordinator reads and installs into: the model itself, or the
+    whole-tensor view of an FSDP group's shards."""
+    if run.group is not None and run.group.view is not None:
+        return run.group.view
+    return model
 
 
 @hookimpl
@@ -201,35 +208,55 @@ def after_optimizer_step(trainer: Any, model: Any, step: int) -> bool | None:
     """Forward the step to the coordinator; True when a delta was pushed or a global loaded.
     The run's last step (``run.max_steps``) uploads its partial inner loop."""
     final = step >= trainer.config.run.max_steps
+    run = run_of(trainer)
+    section = _section(trainer.config)
+    group = run.group if run is not None else None
+    if group is not None and section is not None and _sync_point(section, step, final):
+        group.gather()  # every rank, on the training thread: a collective
     coordinator = coordinator_of(trainer)
     replaced: bool | None = None
     if coordinator is not None and coordinator.started:
-        replaced = coordinator.after_optimizer_step(model, step, final=final)
-    if not trainer.parallel.enabled or _section(trainer.config) is None:
+        assert run is not None
+        replaced = coordinator.after_optimizer_step(_coordinated(run, model), step, final=final)
+    if not trainer.parallel.enabled or section is None:
         return replaced
     return _agree_across_ranks(trainer, model, step, final, bool(replaced))
 
 
-def _agree_across_ranks(trainer: Any, model: Any, step: int, final: bool, replaced: bool) -> bool:
-    """A node that is a DDP group: at each sync point (a fragment's boundary, or the last
-    step) rank 0 tells the other ranks whether it pushed or installed, and broadcasts its
-    weights when it installed, so the ranks never diverge. One small collective per sync point,
-    none on the steps between."""
-    section = _section(trainer.config)
-    assert section is not None
+def _sync_point(section: DistributedConfig, step: int, final: bool) -> bool:
+    """A step where the node may upload or install: a fragment's boundary, or the last one."""
     from speedtronic_diloco.fragments import FragmentSchedule
 
     # The same schedule the coordinator follows: fragment j syncs at offsets j * H // K.
-    if not final and not FragmentSchedule(section.inner_steps, section.fragments).due(step):
+    return final or bool(FragmentSchedule(section.inner_steps, section.fragments).due(step))
+
+
+def _agree_across_ranks(trainer: Any, model: Any, step: int, final: bool, replaced: bool) -> bool:
+    """A node that is a DDP or FSDP group: at each sync point (a fragment's boundary, or the
+    last step) rank 0 tells the other ranks whether it pushed or installed, and hands its
+    weights to them when they changed, so the ranks never diverge. One small collective per sync
+    point, none on the steps between."""
+    section = _section(trainer.config)
+    assert section is not None
+    if not _sync_point(section, step, final):
         return False
-    replaced = bool(trainer.parallel.broadcast(replaced))
-    if replaced:
-        _broadcast_weights(model)
+    run = run_of(trainer)
+    assert run is not None
+    # A DDP group re-broadcasts after any push or install; an FSDP group's shards need rank
+    # 0's view only when a global was installed into it (a push leaves the view as gathered).
+    changed = run.group.written if run.group is not None else replaced
+    replaced, changed = (bool(v) for v in trainer.parallel.broadcast((replaced, changed)))
+    if changed:
+        _weights_from_main(run, model)
     return replaced
 
 
-def _broadcast_weights(model: Any) -> None:
-    """Rank 0's parameters and buffers onto every rank of the group, in place."""
+def _weights_from_main(run: DiLoCoRun, model: Any) -> None:
+    """Rank 0's weights onto every rank of the group: broadcast in place (DDP), or rank 0's
+    view loaded into every rank's shards (FSDP)."""
+    if run.group is not None:
+        run.group.scatter()
+        return
     import torch.distributed as dist
 
     for tensor in model.state_dict().values():
@@ -336,7 +363,6 @@ def global_evaluator(trainer: Any, section: DistributedConfig) -> Any:
     if evaluator is None:
         log.warning("distributed.eval_globals is set but the run has no eval; not evaluating")
         return None
-    import copy
     import threading
 
     import torch
@@ -350,7 +376,7 @@ def global_evaluator(trainer: Any, section: DistributedConfig) -> Any:
     try:
         # The windows the run's evaluation scores, those of every rank of a DDP group.
         batches = [move_to(b, cpu) for b in evaluator.held_out_batches(every_rank=True)]
-        model = copy.deepcopy(trainer.model).to(cpu).eval()
+        model = _unsharded_copy(trainer).to(cpu).eval()
     except Exception as exc:  # evaluation is an extra: a failure leaves training alone
         log.warning("not evaluating globals: %s: %s", type(exc).__name__, exc)
         return None
@@ -372,3 +398,17 @@ def global_evaluator(trainer: Any, section: DistributedConfig) -> Any:
             return total / tokens  # per token, as the run's evaluation weighs it
 
     return evaluate
+
+
+def _unsharded_copy(trainer: Any) -> Any:
+    """A model of the run's own to score globals on in another thread: a copy of the model, or
+    under FSDP (whose forward is a collective of the group) a fresh one built from the config
+    (``evaluate`` installs every global whole before it scores)."""
+    if trainer.fsdp is None:
+        import copy
+
+        return copy.deepcopy(trainer.model)
+    from speedtronic import build_model
+
+    model_section = trainer.config.model
+    return build_model(model_section.name, **model_section.params)

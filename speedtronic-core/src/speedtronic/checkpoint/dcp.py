@@ -32,6 +32,7 @@ import pickle
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -102,14 +103,39 @@ class ShardedWriter:
     """The ``sharded_writer`` of a :class:`CheckpointManager` whose run shards ``model`` and
     ``optimizer`` (``parallel.strategy: fsdp``): each of the manager's saves
     (:meth:`~CheckpointManager.save_now`, :meth:`~CheckpointManager.maybe_save`) becomes a
-    :func:`save_sharded_checkpoint` on every rank."""
+    :func:`save_sharded_checkpoint` on every rank; with ``checkpoint.async_save`` the manager
+    calls :meth:`start` instead and runs the write it returns in a background thread."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model = model
         self.optimizer = optimizer
+        self._background: Any = None  # the collectives of background saves, made at the first
 
     def __call__(self, manager: CheckpointManager, step: int, state: dict[str, Any]) -> Path:
         return save_sharded_checkpoint(manager, step, state, self.model, self.optimizer)
+
+    def start(
+        self, manager: CheckpointManager, step: int, state: dict[str, Any]
+    ) -> Callable[[], Path]:
+        """Every rank, at the save step: copy this rank's shards (and, on rank 0, the rest of
+        the state) to CPU memory, the only part the step waits for; returns the write to run
+        in a background thread (every rank runs its own): the same collective save, commit
+        and retry as :func:`save_sharded_checkpoint`, over a process group of its own."""
+        from speedtronic.checkpoint.dcp_async import background_collectives, stage
+
+        if self._background is None:
+            self._background = background_collectives(manager.parallel)
+        collectives = self._background
+        tensors, rest = _split_weights(self.model, self.optimizer)
+        staged = stage(tensors)
+        encoded = _encode(step, {**state, **rest}, copy=True) if collectives.is_main else None
+
+        def write() -> Path:
+            return _retrying(
+                manager, lambda: _save_once(manager, step, encoded, staged, collectives)
+            )
+
+        return write
 
 
 def save_sharded_checkpoint(
@@ -125,28 +151,47 @@ def save_sharded_checkpoint(
     attempt is retried once after the policy's ``retry_pause``; a second failure raises
     :class:`CheckpointError` on every rank, the previous checkpoint intact."""
     parallel = manager.parallel
+    tensors, rest = _split_weights(model, optimizer)
+    encoded = _encode(step, {**state, **rest}) if parallel.is_main else None
+    return _retrying(manager, lambda: _save_once(manager, step, encoded, tensors, parallel))
+
+
+def _retrying(manager: CheckpointManager, attempt: Callable[[], Path]) -> Path:
     try:
-        return _save_once(manager, step, state, model, optimizer, parallel)
+        return attempt()
     except CheckpointError as exc:
         pause = manager.policy.retry_pause
         log.warning("%s; retrying once in %.0f s", exc, pause)
         time.sleep(pause)
-        return _save_once(manager, step, state, model, optimizer, parallel)
+        return attempt()
+
+
+def _encode(step: int, state: dict[str, Any], copy: bool = False) -> tuple[str, dict] | str:
+    """The state.json text and the small tensors of ``state`` (``copy``: a snapshot that
+    training may go on changing), or why it cannot be encoded: a message every rank raises
+    in :func:`_save_once`, as it cannot be raised on rank 0 alone before a collective."""
+    try:
+        json_tree, small = statecodec.encode(state, copy=copy)
+        text = json.dumps(json_tree, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        return f"cannot serialise the state for checkpoint {checkpoint_name(step)}: {exc}"
+    return text, small
 
 
 def _save_once(
     manager: CheckpointManager,
     step: int,
-    state: dict[str, Any],
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    encoded: tuple[str, dict] | str | None,
+    tensors: dict[str, Any],
     parallel: Any,
 ) -> Path:
+    """One attempt by every rank of ``parallel`` (a ParallelContext, or the background
+    saves' own collectives, whose ``group`` DCP then uses); ``encoded`` is rank 0's."""
     import torch.distributed.checkpoint as dcp
 
     name = checkpoint_name(step)
-    staging_text, problem = None, None
-    if parallel.is_main:
+    staging_text, problem = None, encoded if isinstance(encoded, str) else None
+    if parallel.is_main and problem is None:
         try:
             manager.directory.mkdir(parents=True, exist_ok=True)
             staging_text = tempfile.mkdtemp(
@@ -158,11 +203,10 @@ def _save_once(
     if problem:
         raise CheckpointError(problem)
     staging = Path(staging_text)
-    tensors, rest = _split_weights(model, optimizer)
     error = None
     try:
         writer = dcp.FileSystemWriter(staging / DCP_DIR, single_file_per_rank=True)
-        dcp.save(tensors, storage_writer=writer)
+        dcp.save(tensors, storage_writer=writer, process_group=getattr(parallel, "group", None))
     except Exception as exc:  # a full disk on any rank fails DCP's collective save everywhere
         error = _failure(manager, name, exc)
     errors = [e for e in parallel.gather(error) if e]
@@ -170,8 +214,9 @@ def _save_once(
     final = manager.directory / name
     if parallel.is_main:
         if problem is None:
+            assert isinstance(encoded, tuple)
             try:
-                _finish(manager, staging, final, step, {**state, **rest})
+                _finish(manager, staging, final, step, encoded)
             except Exception as exc:
                 problem = _failure(manager, name, exc)
         if problem is not None:
@@ -214,12 +259,16 @@ def _split_weights(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[
 
 
 def _finish(
-    manager: CheckpointManager, staging: Path, final: Path, step: int, state: dict[str, Any]
+    manager: CheckpointManager,
+    staging: Path,
+    final: Path,
+    step: int,
+    encoded: tuple[str, dict],
 ) -> None:
-    """Rank 0, after every rank's shards are in ``staging``: the rest of the state, the
-    manifest over every file, the rename into place, then ``latest.json``."""
-    json_tree, small = statecodec.encode(state)
-    text = json.dumps(json_tree, allow_nan=False, separators=(",", ":"))
+    """Rank 0, after every rank's shards are in ``staging``: the rest of the state (encoded
+    by :func:`_encode`), the manifest over every file, the rename into place, then
+    ``latest.json``."""
+    text, small = encoded
     save_file(small, str(staging / TENSORS), metadata={"format": str(FORMAT_VERSION)})
     (staging / STATE).write_text(text, encoding="utf-8")
     shard_files = sorted(f.name for f in (staging / DCP_DIR).iterdir() if f.is_file())

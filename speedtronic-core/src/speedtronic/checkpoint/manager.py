@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from safetensors.torch import save_file
 
@@ -68,6 +68,9 @@ from speedtronic.checkpoint.reader import (
 from speedtronic.checkpoint.runlock import RunLock
 from speedtronic.errors import CheckpointError
 from speedtronic.parallel import SINGLE_PROCESS, ParallelContext
+
+if TYPE_CHECKING:
+    from speedtronic.checkpoint.dcp import ShardedWriter
 
 __all__ = [
     "BEST_POINTER",
@@ -124,9 +127,9 @@ class CheckpointManager(CheckpointReader):
         self._unreported: list[SavedCheckpoint] = []
         # Held from start_run to close: no second live run writes this directory.
         self._run_lock: RunLock | None = None
-        # Called on every rank with (manager, step, state) to write a sharded checkpoint
-        # (speedtronic.checkpoint.dcp.ShardedWriter); None: rank 0 writes the whole state.
-        self.sharded_writer: Callable[[CheckpointManager, int, Any], Path] | None = None
+        # Called on every rank with (manager, step, state) to write a sharded checkpoint, or
+        # its start() for a background one; None: rank 0 writes the whole state.
+        self.sharded_writer: ShardedWriter | None = None
 
     # ------------------------------------------------------------------ a run's saves
     def resume_point(
@@ -251,6 +254,11 @@ class CheckpointManager(CheckpointReader):
         if not self.policy.async_save:
             return  # the same on every rank: no collective below
         job, self._in_flight = self._in_flight, None
+        if self.sharded_writer is not None:
+            # Every rank has its own background write; they end together with one outcome.
+            if job is not None:
+                self._unreported.append(job.result())
+            return
 
         def finish() -> None:
             if job is not None:
@@ -277,14 +285,13 @@ class CheckpointManager(CheckpointReader):
         return clock_due
 
     def _start_background(self, step: int, state: Any) -> None:
-        if self.sharded_writer is not None:
-            # The config refuses this combination; a manager put together by hand gets it too.
-            raise CheckpointError(
-                "checkpoint.async_save cannot be used with parallel.strategy fsdp (sharded "
-                "saves are collective: every rank writes its shards)"
-            )
         self._join()  # at most one write in flight: the next save waits for the previous one
-        if self.parallel.is_main:
+        if self.sharded_writer is not None:
+            # Every rank copies its shards now and writes them in a thread of its own
+            # (speedtronic.checkpoint.dcp_async).
+            write = self.sharded_writer.start(self, step, state)
+            self._in_flight = BackgroundWrite(step, write)
+        elif self.parallel.is_main:
             # The copy to CPU memory is the only part the training step waits for.
             snapshot = self._encode(step, state, copy=True)
             self._in_flight = BackgroundWrite(step, lambda: self._write_with_retry(step, snapshot))
