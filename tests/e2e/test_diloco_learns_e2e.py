@@ -2,7 +2,9 @@
 on a shared directory, `rounds: sync`) trained on real English text end with a global whose
 held-out loss is below that of one node alone with the same batch and steps. The text is this
 repository's own documentation (prose, always present); the run is
-`benchmarks/diloco_quality.py` at a small size, references included."""
+`benchmarks/diloco_quality.py` at a small size, references included. (Async rounds have no such
+test: at sizes a test can afford their margin over one node did not hold in every run; see
+docs/diloco.md, "An async e2e test: not robust at test size".)"""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,19 +29,27 @@ def docs_corpus(path: Path) -> Path:
     return path
 
 
-def test_three_nodes_on_real_text_end_below_one_node_alone(tmp_path: Path) -> None:
+def quality_run(tmp_path: Path, *options: str) -> tuple[dict[str, Any], str]:
+    """The quality benchmark's summary and output for 3 nodes with ``options``."""
     summary = tmp_path / "summary.json"
     command = [
-        *(sys.executable, str(SCRIPT), "--nodes", "3", "--inner-steps", "10", "--steps", "60"),
-        *("--eval-batches", "4", "--rounds", "sync", "--workdir", str(tmp_path / "work")),
-        *("--set", "distributed.poll_interval=0.2", "--set", "distributed.min_deltas=3"),
-        *("--set", "distributed.round_timeout=120"),
+        *(sys.executable, str(SCRIPT), "--nodes", "3", "--eval-batches", "4"),
+        *("--workdir", str(tmp_path / "work"), *options),
         *("--corpus", str(docs_corpus(tmp_path / "docs.txt")), "--json", str(summary)),
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stdout + done.stderr
-    totals = json.loads(summary.read_text())["summary"]
+    return json.loads(summary.read_text())["summary"], done.stdout
+
+
+def test_three_nodes_on_real_text_end_below_one_node_alone(tmp_path: Path) -> None:
+    totals, output = quality_run(
+        tmp_path,
+        *("--inner-steps", "10", "--steps", "60", "--rounds", "sync"),
+        *("--set", "distributed.poll_interval=0.2", "--set", "distributed.min_deltas=3"),
+        *("--set", "distributed.round_timeout=120"),
+    )
     assert math.isfinite(totals["final_global"]), totals
     # Every round averaged all three nodes, each from the global of the round before.
     assert totals["short_rounds"] == 0 and totals["staleness_max"] == 0, totals
-    assert totals["final_global"] < totals["one_node"], done.stdout
+    assert totals["final_global"] < totals["one_node"], output
