@@ -45,7 +45,9 @@ def install_all(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """Install the four distributions (CPU torch) and run the test suite."""
     install_all(session)
-    session.run("pytest", *(session.posargs or ["-q"]))
+    # Two workers (pytest-xdist): most of the suite's time is real subprocesses starting and
+    # polling, which overlaps on two cores; every wait in the tests is a bounded poll.
+    session.run("pytest", *(session.posargs or ["-q", "-n", "2"]))
 
 
 def tracked_python_files() -> list[str]:
