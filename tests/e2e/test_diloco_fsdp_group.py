@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 from diloco_nodes import Node, included, kill_all, wait_all, wait_until, with_plugin, write_config
-from test_diloco_resume_e2e import HELD, INNER, STEPS, assert_deltas_add_up, stored_deltas
+from test_diloco_resume_e2e import HELD, INNER, assert_deltas_add_up, stored_deltas
+from test_diloco_resume_e2e import config as resume_config
 
 from speedtronic.checkpoint import CheckpointManager
 
@@ -189,20 +190,9 @@ def test_an_fsdp_master_scores_its_globals_and_keeps_its_ranks_identical(tmp_pat
 def test_an_fsdp_group_resumed_from_its_dcp_checkpoint_sends_nothing_twice(
     tmp_path: Path,
 ) -> None:
-    config = write_config(
-        tmp_path,
-        "resume.yaml",
-        run={"name": "fsdp-resume", "max_steps": STEPS},
-        checkpoint={"interval": INNER, "keep_last": 3},  # checkpoints at every boundary
-        logging={"log_every": 5},
-        distributed={
-            "inner_steps": INNER,
-            "poll_interval": 0.5,
-            "max_retries": 0,
-            "retry_backoff": 0.0,
-        },
+    node = fsdp_worker(
+        Node(tmp_path, resume_config(tmp_path, "fsdp-resume"), "worker", "w"), tmp_path
     )
-    node = fsdp_worker(Node(tmp_path, config, "worker", "w"), tmp_path)
     # The upload of step HELD waits for the checkpoint of the next boundary; later ones are
     # held back until the group is killed.
     after = node.output / "checkpoints" / f"step_{HELD + INNER:08d}"

@@ -35,11 +35,12 @@ HELD = 10  # the local step whose upload is in flight across checkpoints
 STEP_SLEEP = "0.2"  # a boundary every second: time to kill long before the run's end
 
 
-def config(tmp_path: Path) -> Path:
+def config(tmp_path: Path, name: str = "resume-e2e") -> Path:
+    """The resume scenario's node config: a checkpoint at every boundary, no upload retries."""
     return write_config(
         tmp_path,
         "resume.yaml",
-        run={"name": "resume-e2e", "max_steps": STEPS},
+        run={"name": name, "max_steps": STEPS},
         checkpoint={"interval": INNER, "keep_last": 3},  # checkpoints at every boundary
         logging={"log_every": 5},
         distributed={
