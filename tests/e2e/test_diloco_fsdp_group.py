@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from diloco_nodes import Node, included, kill_all, wait_all, wait_until, with_plugin, write_config
+from test_diloco_ddp_group import config as group_config
 from test_diloco_resume_e2e import HELD, INNER, assert_deltas_add_up, stored_deltas
 from test_diloco_resume_e2e import config as resume_config
 
@@ -89,28 +90,6 @@ def fsdp_worker(node: Node, tmp_path: Path, **env: str) -> Node:
     with_plugin(node, "fsdp_group_probe", tmp_path, PROBE_DIR=str(tmp_path), **env)
     node.extra_args += ["--nproc-per-node", "2", "--set", "parallel.strategy=fsdp"]
     return node
-
-
-def group_config(tmp_path: Path, name: str, steps: int) -> Path:
-    return write_config(
-        tmp_path,
-        f"{name}.yaml",
-        run={"max_steps": steps, "seed": 1},
-        model={"max_seq_len": 16, "n_kv_head": None},
-        data={"micro_batch_size": 2, "target_batch_size": 4},
-        optimizer=None,
-        scheduler=None,
-        checkpoint={"save_final": False},
-        logging={"log_every": 1},
-        distributed={
-            "inner_steps": 3,
-            "min_deltas": 1,
-            "round_timeout": 1.0,
-            "outer_lr": None,
-            "outer_momentum": None,
-            "retry_backoff": None,
-        },
-    )
 
 
 def test_an_fsdp_worker_group_trains_and_keeps_its_ranks_identical(tmp_path: Path) -> None:
