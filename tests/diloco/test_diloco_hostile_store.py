@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -207,12 +210,8 @@ def test_publication_under_a_lost_lease_is_fenced(tmp_path: Path) -> None:
     assert (tmp_path / "store" / "global" / "latest.safetensors").read_bytes() == latest_before
 
 
-def test_the_store_lock_excludes_other_processes(tmp_path: Path) -> None:
-    """A child process holding ``global/.lock`` keeps a lease write waiting until it lets go."""
-    import subprocess
-    import sys
-
-    store = store_at(tmp_path)
+def hold_the_lock(tmp_path: Path) -> subprocess.Popen[str]:
+    """A child process holding ``global/.lock`` until a line arrives on its stdin."""
     holder = subprocess.Popen(
         [
             sys.executable,
@@ -228,8 +227,15 @@ def test_the_store_lock_excludes_other_processes(tmp_path: Path) -> None:
         stdout=subprocess.PIPE,
         text=True,
     )
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+    return holder
+
+
+def test_the_store_lock_excludes_other_processes(tmp_path: Path) -> None:
+    """A child process holding ``global/.lock`` keeps a lease write waiting until it lets go."""
+    store = store_at(tmp_path)
+    holder = hold_the_lock(tmp_path)
     try:
-        assert holder.stdout.readline().strip() == "locked"
         done = threading.Event()
         thread = threading.Thread(
             target=lambda: (store.write_lease(lease("a", 1), None), done.set()), daemon=True
@@ -239,6 +245,26 @@ def test_the_store_lock_excludes_other_processes(tmp_path: Path) -> None:
         holder.stdin.write("\n")
         holder.stdin.flush()
         assert done.wait(SETTLE)
+    finally:
+        holder.kill()
+        holder.wait(SETTLE)
+    assert store.read_lease().holder == "a"
+
+
+def test_a_lock_held_past_lock_wait_is_a_transient_error_naming_the_lock(tmp_path: Path) -> None:
+    """A frozen holder delays a writer by ``lock_wait`` at most, then the writer gets a
+    retryable error naming the lock file; once the holder dies the write goes through."""
+    store_at(tmp_path)
+    store = SharedDirectoryTransport(tmp_path / "store", lock_wait=0.3)
+    holder = hold_the_lock(tmp_path)
+    try:
+        holder.send_signal(signal.SIGSTOP)
+        with pytest.raises(TransientTransportError, match=r"\.lock: held by another process"):
+            store.write_lease(lease("a", 1), None)
+        assert store.read_lease() is None  # nothing written
+        holder.kill()
+        holder.wait(SETTLE)
+        store.write_lease(lease("a", 1), None)
     finally:
         holder.kill()
         holder.wait(SETTLE)

@@ -7,6 +7,7 @@ block the take-over. Every wait is bounded polling on events and store files."""
 
 from __future__ import annotations
 
+import fcntl
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from test_diloco_lease_processes import Master, Store, config_file, store, wait_
 
 from speedtronic_diloco.lease import LeaseKeeper
 from speedtronic_diloco.standby import Standby
-from speedtronic_diloco.transports.shared_dir import SharedDirectoryTransport
+from speedtronic_diloco.transports.shared_dir import LOCK_FILE, SharedDirectoryTransport
 
 __all__ = ["store"]
 
@@ -31,6 +32,27 @@ WORKER = ("--set", "distributed.role=worker", *FAILOVER)
 def included(event: dict) -> list[tuple[str, int]]:
     items = [item.split("@") for item in str(event.get("included") or "").split(",") if item]
     return [(node, int(step)) for node, step in items]
+
+
+def freeze_outside_the_lock(master: Master, store: Store) -> None:
+    """SIGSTOP ``master`` at a moment it does not hold a shared directory's lock (a process
+    frozen inside it blocks every writer until it resumes: the lock's documented limit)."""
+    master.process.send_signal(signal.SIGSTOP)
+    if store.kind != "shared_dir":
+        return
+    deadline = time.monotonic() + 60
+    with open(Path(store.repo_id) / LOCK_FILE, "a+b") as handle:
+        while True:
+            try:
+                fcntl.lockf(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                assert time.monotonic() < deadline, "the master never let go of the lock"
+                master.process.send_signal(signal.SIGCONT)
+                time.sleep(0.02)
+                master.process.send_signal(signal.SIGSTOP)
+                continue
+            fcntl.lockf(handle.fileno(), fcntl.LOCK_UN)
+            return
 
 
 def test_a_sigkilled_master_is_replaced_by_exactly_one_standby(
@@ -99,7 +121,7 @@ def test_a_master_that_comes_back_is_fenced_and_goes_on_as_a_worker(
         wait_until(lambda: store.metadata() is not None, "m1's first global", m1)
         w1 = Master(tmp_path, config, "w1", *WORKER)
         wait_until(lambda: w1.events("delta_uploaded"), "w1's first delta", m1, w1)
-        m1.process.send_signal(signal.SIGSTOP)  # frozen: no renewals, no publications
+        freeze_outside_the_lock(m1, store)  # frozen: no renewals, no publications
         wait_until(lambda: w1.events("outer_step"), "w1's outer step as the master", w1)
         m1.process.send_signal(signal.SIGCONT)
         wait_until(
@@ -136,7 +158,7 @@ def test_a_master_that_comes_back_is_fenced_and_goes_on_as_a_worker(
 
 HOLD_THE_LOCK = """
 import sys, time
-from speedtronic_diloco.transports.shared_dir import SharedDirectoryTransport
+from speedtronic_diloco.transports.shared_dir import LOCK_FILE, SharedDirectoryTransport
 store = SharedDirectoryTransport(sys.argv[1])
 with store._exclusive():
     print("locked", flush=True)

@@ -20,7 +20,11 @@ all), so a reader holding slightly older metadata can still finish.
 **The lock** is ``global/.lock``, held with ``fcntl.lockf`` (POSIX record locks, which NFS
 serves through its lock manager: NFSv4, or NFSv3 with ``lockd`` running; not on mounts with
 ``nolock``) plus a per-process thread lock (POSIX locks do not exclude threads of one process).
-Only writers of ``global/`` take it (publication, lease, deletion); readers never wait.
+Only writers of ``global/`` take it (publication, lease, deletion); readers never wait. A writer
+waits for it at most ``lock_wait`` seconds (:data:`LOCK_WAIT` by default), then gets a transient
+error naming the lock file, which the retry policy retries: a process frozen while holding it (a
+paused VM, a SIGSTOP) delays writers until it resumes or dies (the kernel releases a dead
+process's lock), but never hangs one, and a standby keeps watching.
 
 **Hostile files.** Everything read from the store is opened without following a final symlink
 after resolving it, must resolve to a path inside the store, and must be a regular file: FIFOs,
@@ -32,12 +36,14 @@ metadata or the listing promised (``step_count.json`` and ``lease.json`` at a fi
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import re
 import shutil
 import stat
 import threading
+import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO, TypeVar
@@ -76,6 +82,7 @@ except ImportError:  # not POSIX: only threads of this process are excluded
 __all__ = [
     "KEEP_VERSIONS",
     "LOCK_FILE",
+    "LOCK_WAIT",
     "SharedDirectoryTransport",
     "fragment_file_name",
     "shared_dir_root",
@@ -87,6 +94,9 @@ _VERSION = re.compile(r"^v(\d+)-[0-9a-f]{12}\.safetensors$")
 _FRAGMENT_VERSION = re.compile(r"^fragment(\d+)-v(\d+)-[0-9a-f]{12}\.safetensors$")
 KEEP_VERSIONS = 3
 LOCK_FILE = "global/.lock"
+LOCK_WAIT = 10.0
+"""Seconds a writer waits for the store lock before a transient error (it is held for
+milliseconds per write)."""
 _CHUNK = 1 << 20
 T = TypeVar("T")
 
@@ -204,8 +214,9 @@ class SharedDirectoryTransport(SharedDirMembers, _SideFiles, Transport):
 
     supports_fragment_files = True
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, lock_wait: float = LOCK_WAIT) -> None:
         self.root = Path(root)
+        self.lock_wait = float(lock_wait)
         self.description = redact_userinfo(f"file://{self.root}")
         self._refused: set[tuple[str, str]] = set()
 
@@ -299,21 +310,45 @@ class SharedDirectoryTransport(SharedDirMembers, _SideFiles, Transport):
 
     @contextlib.contextmanager
     def _exclusive(self) -> Iterator[None]:
-        """The store's writer lock: this process's threads, then other processes (lockf)."""
+        """The store's writer lock: this process's threads, then other processes (lockf),
+        waited for at most ``lock_wait`` seconds in all."""
         with _PROCESS_LOCKS_GUARD:
             thread_lock = _PROCESS_LOCKS.setdefault(self._real_root(), threading.Lock())
-        with thread_lock:
+        path = self.root / LOCK_FILE
+        deadline = time.monotonic() + self.lock_wait
+        if not thread_lock.acquire(timeout=self.lock_wait):
+            raise self._lock_timeout(path, "another thread of this process")
+        try:
             if fcntl is None:
                 yield
                 return
-            path = self.root / LOCK_FILE
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(path, "a+b") as handle:
-                fcntl.lockf(handle.fileno(), fcntl.LOCK_EX)
+                pause = 0.005
+                while True:
+                    try:
+                        fcntl.lockf(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except OSError as exc:  # EACCES or EAGAIN: another process holds it
+                        if exc.errno not in (errno.EACCES, errno.EAGAIN):
+                            raise
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise self._lock_timeout(path, "another process")
+                    time.sleep(min(pause, left))
+                    pause = min(pause * 2, 0.05)
                 try:
                     yield
                 finally:
                     fcntl.lockf(handle.fileno(), fcntl.LOCK_UN)
+        finally:
+            thread_lock.release()
+
+    def _lock_timeout(self, path: Path, holder: str) -> TransientTransportError:
+        return TransientTransportError(
+            f"{path}: held by {holder} for more than {self.lock_wait:g} s (a writer frozen or "
+            "stuck while writing?); retrying"
+        )
 
     # ------------------------------------------------------------------ interface
     def create_store(self, *, private: bool = True) -> None:
