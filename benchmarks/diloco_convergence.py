@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import statistics
 import sysconfig
 import tempfile
@@ -91,6 +92,12 @@ class Setting:
     @property
     def key(self) -> str:
         return f"{self.data}/{self.inner_steps}/{self.label}/{self.fragments}"
+
+    @property
+    def slug(self) -> str:
+        """The key as a RESULTS.md row id part: ``text.100.int4_bf16_global.1``."""
+        label = re.sub(r"[^a-z0-9]+", "_", self.label.lower()).strip("_")
+        return f"{self.data}.{self.inner_steps}.{label}.{self.fragments}"
 
 
 class CountingTransport(Transport):
@@ -537,6 +544,12 @@ def main() -> None:
         "strings (e.g. 'inner state kept', 'text/100')",
     )
     parser.add_argument(
+        "--rows-id",
+        default="",
+        help="the RESULTS.md row prefix of each row's figures (default diloco_convergence, "
+        "with .quick for --quick); the docs' table is run with --rows-id diloco_grid",
+    )
+    parser.add_argument(
         "--async-rows",
         action="store_true",
         help="only the asynchronous comparison (threads, one node 2x slower)",
@@ -604,14 +617,31 @@ def main() -> None:
             f"| {statistics.mean(per_seed[s]['error'] for s in setting.seeds):.4f} |"
         )
         if ratios:
-            suffix = ".quick" if args.quick else ""
+            method = (
+                f"lock-step simulation in one process, {steps} steps per node, "
+                f"{len(ratios)} seed(s) (spread over seeds)"
+            )
+            if args.rows_id:
+                row = f"{args.rows_id}.{setting.slug}"
+                fewer = [dp_bytes / per_seed[s]["bytes"] for s in setting.seeds]
+                emit(
+                    f"{row}.fewer_bytes",
+                    fewer,
+                    unit="x",
+                    method=method,
+                    label=(
+                        f"{setting.key}: bytes of a per-step ring all-reduce / bytes per worker"
+                    ),
+                )
+            else:
+                row = f"diloco_convergence.{setting.key.replace('/', '.')}"
+                row += ".quick" if args.quick else ""
             emit(
-                f"diloco_convergence.{setting.key.replace('/', '.')}{suffix}",
+                row,
                 ratios,
                 unit="x",
-                method=f"lock-step simulation in one process, {steps} steps per node, "
-                f"{len(ratios)} seed(s) (spread over seeds)",
-                label="held-out loss, DiLoCo global / synchronous 4x batch",
+                method=method,
+                label=f"{setting.key}: held-out loss, DiLoCo global / synchronous 4x batch",
             )
     print(f"\n({time.monotonic() - started:.0f} s)")
 

@@ -66,6 +66,15 @@ BENCHMARKS: list[Benchmark] = [
         "diloco_convergence",
         quick=("--quick", "--select", "synthetic/100/none/1,synthetic/100/int8/1,text/100/none/1"),
     ),
+    # The table of docs/diloco.md: the whole 1000-step grid, 2 processes (about 40 minutes on
+    # two cores); its own row ids (diloco_grid.<data>.<H>.<codec>.<K>[.fewer_bytes]).
+    Benchmark(
+        "diloco_grid",
+        script_name="diloco_convergence",
+        quick=("--jobs", "2", "--rows-id", "diloco_grid"),
+        full=("--jobs", "2", "--rows-id", "diloco_grid"),
+        timeout_s=7200,
+    ),
     # The asynchronous rows (real lanes and outer thread, one node 2x slower): a few minutes.
     Benchmark(
         "diloco_convergence_async", script_name="diloco_convergence", quick=("--async-rows",)

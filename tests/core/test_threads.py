@@ -1,24 +1,30 @@
-"""``run.threads``: ``auto`` (the default) from the cores this process may use and the
-processes sharing the machine, the OpenMP settings the CLI gives before torch loads, and every
-command honouring the setting."""
+"""``run.threads``: ``auto`` (the default) from the cores this process may use, the processes
+sharing the machine and the other work on its cores (at start and, through the governor, while
+training), and every command honouring the setting."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from toy_runs import EventRecorder, tiny_transformer_run
 
 from speedtronic import ConfigError, SpeedtronicConfig
+from speedtronic.cpu_load import busy_elsewhere
+from speedtronic.runtime import build_runtime
 from speedtronic.threads import (
     LOCAL_PROCESSES_ENV,
+    RECHECK_S,
+    ThreadGovernor,
     auto_threads,
     local_processes,
     physical_cores,
-    prepare_threads,
     usable_cores,
 )
 
@@ -53,10 +59,11 @@ def test_auto_is_the_default_and_numbers_and_null_still_parse() -> None:
 
 def test_auto_divides_the_usable_cores_between_the_processes_of_the_run() -> None:
     cores = min(usable_cores(), physical_cores() or usable_cores())
-    assert auto_threads({}) == cores
-    assert auto_threads({"LOCAL_WORLD_SIZE": "2"}) == max(1, cores // 2)
-    assert auto_threads({LOCAL_PROCESSES_ENV: "3"}) == max(1, cores // 3)
-    assert auto_threads({LOCAL_PROCESSES_ENV: str(cores * 4)}) == 1  # never 0
+    for busy in (0, None):  # an idle machine, or one whose load cannot be seen
+        assert auto_threads({}, busy=busy) == cores
+        assert auto_threads({"LOCAL_WORLD_SIZE": "2"}, busy=busy) == max(1, cores // 2)
+        assert auto_threads({LOCAL_PROCESSES_ENV: "3"}, busy=busy) == max(1, cores // 3)
+        assert auto_threads({LOCAL_PROCESSES_ENV: str(cores * 4)}, busy=busy) == 1  # never 0
     assert auto_threads({"OMP_NUM_THREADS": "5", "LOCAL_WORLD_SIZE": "2"}) == 5  # the user's
     assert local_processes({"LOCAL_WORLD_SIZE": "x", LOCAL_PROCESSES_ENV: "2"}) == 2
 
@@ -76,20 +83,121 @@ def test_hyperthread_siblings_count_once() -> None:
     assert physical_cores(CPUINFO_HYPERTHREADS) == (expected or None)
 
 
-def test_openmp_is_told_not_to_spin_unless_the_user_said_otherwise(
-    monkeypatch: pytest.MonkeyPatch,
+def test_auto_leaves_the_cores_other_work_keeps_busy() -> None:
+    cores = usable_cores()
+    static = min(cores, physical_cores() or cores)
+    assert auto_threads({}, busy=cores) == 1  # every core busy: one thread, never 0
+    assert auto_threads({}, busy=cores * 5) == 1
+    assert auto_threads({}, busy=max(0, cores - 1)) == 1  # one core free
+    assert auto_threads({"OMP_NUM_THREADS": "3"}, busy=cores * 5) == 3  # the user's, as set
+    # Two local processes of a run: the other one's threads are not "other work".
+    two = {LOCAL_PROCESSES_ENV: "2"}
+    assert auto_threads(two, busy=max(1, static // 2)) == max(1, static // 2)
+
+
+@pytest.mark.skipif(not Path("/proc/loadavg").exists(), reason="needs Linux /proc")
+def test_real_busy_processes_are_seen_and_auto_gives_them_their_cores() -> None:
+    cores = usable_cores()
+    if busy_elsewhere(cores) is None:
+        pytest.skip("this process may not use every CPU of the machine: no load figure")
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
+    try:
+        deadline = time.monotonic() + 120
+        while (busy_elsewhere(cores) or 0) < cores:  # the hogs started and are runnable
+            assert time.monotonic() < deadline, "the hogs were never seen"
+            time.sleep(0.05)
+        assert auto_threads({}) == 1
+        code = "from speedtronic.threads import auto_threads; print(auto_threads())"
+        assert python(code, env_without_threads()) == "1"  # a fresh process sees them too
+    finally:
+        for hog in hogs:
+            hog.kill()
+        for hog in hogs:
+            hog.wait(60)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_governor_follows_the_load_once_two_readings_agree() -> None:
+    readings = iter([4, 4, 0, 4, 0, 0, None, 0])
+    applied: list[int] = []
+    clock = Clock()
+    governor = ThreadGovernor(
+        2, applied.append, environ={}, interval=5.0, busy=lambda: next(readings), clock=clock
+    )
+    governor.cores, governor.cap = 2, 2  # a 2-core machine, whatever this one is
+    assert governor.tick() is None  # not yet time: no reading taken
+    changes = []
+    for _ in range(7):
+        clock.now += 5.0
+        changes.append(governor.tick())
+    # 4 busy: wanted 1 (proposed), 4 again: changed; 0 then 4: no agreement; 0, 0: back to 2.
+    assert changes == [
+        None,
+        {"threads": 1, "previous": 2, "busy": 4},
+        None,
+        None,
+        None,
+        {"threads": 2, "previous": 1, "busy": 0},
+        None,  # None: the load could not be read; nothing changes
+    ]
+    assert applied == [1, 2] and governor.threads == 2
+    assert RECHECK_S == 5.0  # the interval docs/engine.md and run.threads' help state
+    assert next(readings) == 0  # a reading per interval, not per tick
+
+
+@pytest.mark.skipif(usable_cores() < 2, reason="one core: one thread whatever the load")
+def test_a_cpu_run_with_auto_drops_to_one_thread_when_hogs_take_the_cores(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    prepare_threads(None)  # torch's defaults: hands off
-    assert "OMP_WAIT_POLICY" not in os.environ
-    prepare_threads("auto")
-    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    prepare_threads(2)
-    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    cores = usable_cores()
+    if busy_elsewhere(cores) is None:
+        pytest.skip("this process may not use every CPU of the machine: no load figure")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("speedtronic.threads.RECHECK_S", 0.01)
+    recorder = EventRecorder()
+    config = tiny_transformer_run(
+        tmp_path, run={"max_steps": 300}, checkpoint={"interval": 0, "save_final": False}
+    )
+    runtime = build_runtime(config, hooks=[recorder], console=False)
+    before = torch.get_num_threads()
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
+    try:
+        deadline = time.monotonic() + 120
+        while (busy_elsewhere(cores) or 0) < cores:
+            assert time.monotonic() < deadline, "the hogs were never seen"
+            time.sleep(0.05)
+        torch.set_num_threads(cores)  # as on an idle machine at start
+        runtime.trainer.fit()
+        assert torch.get_num_threads() == 1
+    finally:
+        for hog in hogs:
+            hog.kill()
+        for hog in hogs:
+            hog.wait(60)
+        torch.set_num_threads(before)
+    start = recorder.named("train_start")[0]
+    changed = recorder.named("threads_changed")
+    assert start["threads"] == cores and changed, recorder.events[-3:]
+    assert changed[0]["previous"] == cores and changed[0]["threads"] == 1
+    assert changed[0]["busy"] >= cores and changed[0]["step"] >= 1
 
 
-def test_the_cli_sets_the_wait_policy_before_torch_is_imported(tmp_path: Path) -> None:
+def test_no_governor_for_fixed_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert ThreadGovernor.for_setting(3, 3, lambda n: None) is None
+    assert ThreadGovernor.for_setting(None, 2, lambda n: None) is None
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert ThreadGovernor.for_setting("auto", 2, lambda n: None) is None
+
+
+def test_validate_config_only_does_not_import_torch_nor_touch_openmp(tmp_path: Path) -> None:
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({"run": {"device": "cpu", "output_dir": str(tmp_path)}}))
     code = (
@@ -98,7 +206,7 @@ def test_the_cli_sets_the_wait_policy_before_torch_is_imported(tmp_path: Path) -
         f"main(['validate', '--config-only', '--config', {str(config)!r}])\n"
         "print('torch' in sys.modules, os.environ.get('OMP_WAIT_POLICY'))\n"
     )
-    assert python(code, env_without_threads()).splitlines()[-1] == "False PASSIVE"
+    assert python(code, env_without_threads()).splitlines()[-1] == "False None"
 
 
 def run_cli(*args: str, threads: str = "3") -> subprocess.CompletedProcess[str]:

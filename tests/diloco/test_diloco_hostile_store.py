@@ -254,7 +254,7 @@ def test_the_store_lock_excludes_other_processes(tmp_path: Path) -> None:
 def test_a_lock_held_past_lock_wait_is_a_transient_error_naming_the_lock(tmp_path: Path) -> None:
     """A frozen holder delays a writer by ``lock_wait`` at most, then the writer gets a
     retryable error naming the lock file; once the holder dies the write goes through."""
-    store_at(tmp_path)
+    assert store_at(tmp_path).lock_wait == 10.0  # the default docs/diloco.md states
     store = SharedDirectoryTransport(tmp_path / "store", lock_wait=0.3)
     holder = hold_the_lock(tmp_path)
     try:

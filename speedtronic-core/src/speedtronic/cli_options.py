@@ -12,7 +12,6 @@ import argparse
 import json
 
 from speedtronic.config import SpeedtronicConfig
-from speedtronic.threads import prepare_threads
 
 __all__ = ["add_config_flag", "add_set_option", "load_config"]
 
@@ -31,10 +30,7 @@ def load_config(args: argparse.Namespace) -> SpeedtronicConfig:
     if getattr(args, "profile", None) is not None:
         start, end = args.profile
         overrides += [f"profile.start={start}", f"profile.end={end}"]
-    config = config.with_overrides(overrides) if overrides else config
-    # The OpenMP runtime reads its settings once, when torch loads it: set them now.
-    prepare_threads(config.run.threads)
-    return config
+    return config.with_overrides(overrides) if overrides else config
 
 
 def add_set_option(parser: argparse.ArgumentParser) -> None:

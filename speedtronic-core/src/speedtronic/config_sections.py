@@ -62,9 +62,10 @@ class RunConfig(Section):
         help="CPU threads for torch's intra-op work in this process (`torch.set_num_threads`). "
         "`auto`: $OMP_NUM_THREADS when set, else the cores this process may use divided by "
         "the processes of this run on the machine ($LOCAL_WORLD_SIZE under torchrun, or "
-        "$SPEEDTRONIC_LOCAL_PROCESSES), at most the physical cores. For `auto` or a number the CLI "
-        "also sets OMP_WAIT_POLICY=PASSIVE; `null` keeps torch's defaults (all cores). Every "
-        "command (train, eval, export, generate, validate) honours it.",
+        "$SPEEDTRONIC_LOCAL_PROCESSES), at most the physical cores, less the cores other work "
+        "keeps busy (runnable tasks on the machine, read at start and every 5 s of a CPU run, "
+        "where the process may use every CPU; at least 1); `null` keeps torch's defaults (all "
+        "cores). Every command (train, eval, export, generate, validate) honours it.",
     )
     peak_tflops: float | None = option(
         None,

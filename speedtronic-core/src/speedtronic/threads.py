@@ -1,39 +1,49 @@
 """How many CPU threads torch's intra-op work gets: ``run.threads`` and its default ``auto``.
 
-``auto`` is the cores this process may run on (its CPU affinity and the cgroup's CPU quota),
-divided by the processes of this run on this machine, and never more than the physical cores:
+``auto`` starts from the cores this process may run on (its CPU affinity and the cgroup's CPU
+quota), divided by the processes of this run on this machine, and never more than the physical
+cores:
 
 - the processes of a run on one machine are ``$LOCAL_WORLD_SIZE`` (set by torchrun and by
   ``speedtronic train --nproc-per-node``) or ``$SPEEDTRONIC_LOCAL_PROCESSES`` (say it when you
   start several nodes of a DiLoCo run, or any other group of training processes, on one
   machine yourself);
-- an explicit ``$OMP_NUM_THREADS`` wins, as it does for torch.
+- an explicit ``$OMP_NUM_THREADS`` wins, as it does for torch (and the count stays fixed).
 
-This module never imports torch: the CLI calls :func:`prepare_threads` before torch is loaded,
-because the OpenMP runtime reads its settings once, when it is loaded. Besides the count, for
-``auto`` or a number (not for ``null``, torch's untouched default) it sets
-``OMP_WAIT_POLICY=PASSIVE`` unless the environment already sets it: by default an idle OpenMP
-worker spins on its core for a while before it sleeps, and on a machine whose cores are busy
-with other work that spinning takes the time the working threads need; a 2-thread step then
-waits for a descheduled spinner (measured 6-8x slower under load: ``benchmarks/threads.py``).
+Then it leaves other work its cores (:mod:`speedtronic.cpu_load`): the runnable tasks that are
+not this process's, less the ones the run's other local processes account for, are taken off
+the cores, and the rest is shared between this run's local processes (at least one thread
+each). On an idle machine that is every core with the OpenMP runtime's defaults (its worker
+threads spin-wait between parallel regions, the fastest way there); with other work on the
+cores it is fewer threads, down to one, because a step whose threads wait for a descheduled
+spinner runs several times slower (``benchmarks/threads.py``). While a run trains,
+:class:`ThreadGovernor` looks again every :data:`RECHECK_S` seconds and follows the load (two
+readings in a row must agree before the count changes). Where the load cannot be seen (not
+Linux, a process pinned to some of the machine's CPUs) ``auto`` is the static count.
+
+This module never imports torch.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+
+from speedtronic.cpu_load import busy_elsewhere
 
 __all__ = [
     "AUTO",
     "LOCAL_PROCESSES_ENV",
+    "RECHECK_S",
+    "ThreadGovernor",
     "apply_threads",
     "auto_threads",
     "local_processes",
     "physical_cores",
-    "prepare_threads",
     "resolve_threads",
     "usable_cores",
 ]
@@ -42,8 +52,9 @@ log = logging.getLogger("speedtronic.threads")
 
 AUTO = "auto"
 LOCAL_PROCESSES_ENV = "SPEEDTRONIC_LOCAL_PROCESSES"
-# Environment for the OpenMP runtime, set only when the user has not set it.
-_OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+RECHECK_S = 5.0
+"""Seconds between two looks at the load while a run trains (:class:`ThreadGovernor`)."""
+_MEASURE: Any = object()  # auto_threads(busy=...): read the load now
 
 
 def usable_cores() -> int:
@@ -123,17 +134,104 @@ def local_processes(environ: Mapping[str, str] | None = None) -> int:
     return 1
 
 
-def auto_threads(environ: Mapping[str, str] | None = None) -> int:
-    """The thread count ``run.threads: auto`` stands for in this process."""
+def auto_threads(environ: Mapping[str, str] | None = None, *, busy: int | None = _MEASURE) -> int:
+    """The thread count ``run.threads: auto`` stands for in this process now. ``busy`` is
+    the runnable tasks on the machine that are not this process's (default: read now; None:
+    not known, the static count)."""
     env = os.environ if environ is None else environ
     explicit = env.get("OMP_NUM_THREADS", "").strip()
     if explicit.isdigit() and int(explicit) >= 1:
         return int(explicit)
     cores = usable_cores()
-    physical = physical_cores()
-    if physical is not None:
-        cores = min(cores, physical)
-    return max(1, cores // local_processes(env))
+    if busy is _MEASURE:
+        busy = busy_elsewhere(cores)
+    processes = local_processes(env)
+    return _fit(cores, processes, _cap(cores, processes), busy, siblings=None)
+
+
+def _cap(cores: int, processes: int) -> int:
+    """The static count: the physical cores among ``cores``, shared by ``processes``."""
+    return max(1, min(cores, physical_cores() or cores) // processes)
+
+
+def _fit(cores: int, processes: int, cap: int, busy: int | None, siblings: int | None) -> int:
+    """Threads (at most ``cap``) for one of ``processes`` local processes of a run on
+    ``cores`` CPUs, with ``busy`` runnable tasks that are not this process's, of which each
+    other local process of the run accounts for ``siblings`` (None: ``cap``)."""
+    if busy is None:
+        return cap
+    others = busy - (processes - 1) * (cap if siblings is None else siblings)
+    free = cores - max(0, others)
+    return max(1, min(cap, free // processes))
+
+
+class ThreadGovernor:
+    """``run.threads: auto`` while a run trains: every ``interval`` seconds (at a step's end,
+    :meth:`tick`) it reads the load again and, when two readings in a row call for the same
+    other count, changes the threads through ``set_threads``. ``busy`` and ``clock`` are
+    injectable for tests."""
+
+    def __init__(
+        self,
+        threads: int,
+        set_threads: Callable[[int], None],
+        *,
+        environ: Mapping[str, str] | None = None,
+        interval: float | None = None,
+        busy: Callable[[], int | None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.threads = threads
+        self.set_threads = set_threads
+        self.processes = local_processes(environ)
+        self.cores = usable_cores()
+        self.cap = _cap(self.cores, self.processes)
+        self.interval = float(RECHECK_S if interval is None else interval)
+        self.busy = busy or (lambda: busy_elsewhere(self.cores))
+        self.clock = clock
+        self._next = clock() + self.interval
+        self._proposed: int | None = None
+
+    @classmethod
+    def for_setting(
+        cls, setting: Any, threads: int, set_threads: Callable[[int], None]
+    ) -> ThreadGovernor | None:
+        """The governor of a run whose ``run.threads`` is ``setting`` and that runs on
+        ``threads`` threads now; None when the count stays fixed (a number, ``null``, an
+        explicit ``$OMP_NUM_THREADS``, or a load this process cannot see)."""
+        if setting != AUTO or os.environ.get("OMP_NUM_THREADS", "").strip():
+            return None
+        if busy_elsewhere(usable_cores(), samples=1) is None:
+            return None
+        return cls(threads, set_threads)
+
+    def tick(self) -> dict[str, int] | None:
+        """At a step's end: ``{"threads", "previous", "busy"}`` when the count changed now,
+        else None (almost always: one clock read)."""
+        now = self.clock()
+        if now < self._next:
+            return None
+        self._next = now + self.interval
+        busy = self.busy()
+        if busy is None:
+            return None
+        wanted = _fit(self.cores, self.processes, self.cap, busy, siblings=self.threads)
+        if wanted == self.threads:
+            self._proposed = None
+            return None
+        if self._proposed != wanted:
+            self._proposed = wanted  # the next reading must agree
+            return None
+        previous, self.threads, self._proposed = self.threads, wanted, None
+        self.set_threads(wanted)
+        log.info(
+            "threads: %d -> %d (run.threads: auto; %d runnable tasks of other work on %d cores)",
+            previous,
+            wanted,
+            busy,
+            self.cores,
+        )
+        return {"threads": wanted, "previous": previous, "busy": busy}
 
 
 def resolve_threads(setting: Any) -> int | None:
@@ -142,16 +240,6 @@ def resolve_threads(setting: Any) -> int | None:
     if setting == AUTO:
         return auto_threads()
     return None if setting is None else int(setting)
-
-
-def prepare_threads(setting: Any) -> int | None:
-    """Before torch is imported: give the OpenMP runtime its settings (only the ones the
-    environment leaves unset) unless ``setting`` is ``None`` (torch's defaults, untouched).
-    Returns the thread count to apply after import."""
-    if setting is not None:
-        for name, value in _OPENMP_ENV.items():
-            os.environ.setdefault(name, value)
-    return resolve_threads(setting)
 
 
 def apply_threads(setting: Any) -> int:

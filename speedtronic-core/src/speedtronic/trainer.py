@@ -36,6 +36,7 @@ from speedtronic.plugins import call_each
 from speedtronic.profiling import StepProfiler, build_profiler
 from speedtronic.state_checks import STATE_FORMAT, check_trainer_state, state_mismatch
 from speedtronic.stopping import StopRequest, StopSignals
+from speedtronic.threads import ThreadGovernor
 from speedtronic.train_step import MAX_CONSECUTIVE_SKIPS, TrainStep
 from speedtronic.trainer_state import TrainerState
 
@@ -177,6 +178,8 @@ class Trainer(TrainerState, TrainStep):
         # Counted at train start (speedtronic.flops); the profiler window, when configured.
         self.flops = FlopsReport(parameters=0)
         self.profiler: StepProfiler | None = None
+        # run.threads: auto following the machine's load while training (CPU runs).
+        self.threads: ThreadGovernor | None = None
 
     # ------------------------------------------------------------------ events
     def emit(self, event: str, payload: dict[str, Any]) -> None:
@@ -271,6 +274,10 @@ class Trainer(TrainerState, TrainStep):
                     "config": self.config.to_dict(redact=True),
                 },
             )
+            if self.device.type == "cpu":
+                self.threads = ThreadGovernor.for_setting(
+                    self.config.run.threads, torch.get_num_threads(), torch.set_num_threads
+                )
             with StopSignals(self.config.run.stop_signals, self._stop):
                 final_loss = self._loop(max_steps)
                 if not self._stop.agreed:
@@ -416,6 +423,8 @@ class Trainer(TrainerState, TrainStep):
             if self.evaluator is not None and every and self.step % every == 0:
                 with meter.paused():  # nor is evaluation
                     self.evaluate()
+            if self.threads is not None and (change := self.threads.tick()) is not None:
+                self.emit("threads_changed", {"step": self.step, **change})
             if profiler is not None and (trace := profiler.step_ended(self.step)) is not None:
                 self.emit("profile", {"step": self.step, "path": str(trace)})
             if self._stop.agree(self.parallel):
