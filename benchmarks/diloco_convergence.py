@@ -596,6 +596,14 @@ def main() -> None:
         base = [loss for (d, _), loss in sync.items() if d == data]
         if base:
             print(f"synchronous held-out loss, {data}: {summarise(base)}")
+            if args.rows_id:
+                emit(
+                    f"{args.rows_id}.sync.{data}",
+                    base,
+                    unit="nats",
+                    method=f"one process, {steps} steps, {len(base)} seed(s)",
+                    label=f"held-out loss of the synchronous 4x-batch run, {data}",
+                )
     print()
     header = (
         "| data | H | codec | K | seeds | held-out loss | loss DiLoCo / sync | MiB per worker "
@@ -633,6 +641,18 @@ def main() -> None:
                         f"{setting.key}: bytes of a per-step ring all-reduce / bytes per worker"
                     ),
                 )
+                for peak, what in (
+                    ("peak_up", "largest upload"),
+                    ("peak_down", "largest download of one global version"),
+                ):
+                    sizes = [per_seed[s][peak] / 1024 for s in setting.seeds]
+                    emit(
+                        f"{row}.{peak}",
+                        sizes,
+                        unit="KiB",
+                        method=method,
+                        label=f"{setting.key}: {what}",
+                    )
             else:
                 row = f"diloco_convergence.{setting.key.replace('/', '.')}"
                 row += ".quick" if args.quick else ""
