@@ -34,8 +34,11 @@ pytestmark = pytest.mark.slow
 PARAMS = {**MODEL, "n_layer": 2}  # two blocks
 STEPS = 90
 # The held-out loss of the final global must be this far below the initial weights' one.
-# Measured: 4.17 -> 1.5 to 1.8.
-IMPROVEMENT = 1.0
+# Measured: 4.17 -> 1.5 to 1.8 on a quiet machine (3 outer steps: the nodes train 90 steps in
+# about 4 s, faster than the master closes rounds), 4.17 -> 3.48 with two CPU hogs beside a
+# second pytest worker (fewer outer steps, each folding more deltas). An untrained or broken
+# global stays at 4.17.
+IMPROVEMENT = 0.5
 
 
 def test_master_and_two_workers_with_int8_and_two_fragments_improve(tmp_path: Path) -> None:
