@@ -82,7 +82,8 @@ BENCHMARKS: list[Benchmark] = [
     Benchmark("eval_overhead"),
     # Fewer steps than the script's own quick preset: torch's default threads under load run
     # at a fraction of a step per second, and each run is a whole `speedtronic train` process.
-    Benchmark("threads", quick=("--quick", "--steps", "8")),
+    # --arriving: hogs that start 2 s into a 150-step run (auto's governor has to follow them).
+    Benchmark("threads", quick=("--quick", "--steps", "8", "--arriving", "2")),
     # The smoke model only: a reference-small CPU run at 128 tokens takes tens of seconds a step.
     Benchmark(
         "checkpoint_stall",

@@ -9,9 +9,11 @@ start-up and model building are not counted.
 Two conditions, interleaved round by round so that a change in the machine's other load hits
 every variant alike: ``idle`` (nothing started by this script; on a shared machine other
 tenants still run) and ``loaded`` (this script starts ``--hogs`` processes that spin
-``while True: pass``). Within a round the variants run in a rotated order. The table gives the
-median steps/s per variant and condition and its ratio to the best variant of that condition;
-``auto`` should be within 10% of the best in both.
+``while True: pass``). With ``--arriving S`` a third, ``arriving``: the hogs start S seconds
+after the run's first step began, so ``auto`` has to follow a load that changed while it
+trained (its governor looks every 5 s). Within a round the variants run in a rotated order.
+The table gives the median steps/s per variant and condition and its ratio to the best variant
+of that condition; ``auto`` should be within 10% of the best in the first two.
 
     python benchmarks/threads.py --quick      # 15-20 minutes on 2 cores under a load of ~15
     python benchmarks/threads.py              # the figures in docs/engine.md
@@ -20,6 +22,7 @@ median steps/s per variant and condition and its ratio to the best variant of th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -63,22 +66,36 @@ def config(steps: int, output_dir: str, threads: Any, events: str) -> dict[str, 
     }
 
 
-def one_run(threads: Any, steps: int, workdir: Path, index: int) -> tuple[float, int]:
-    """(steps/s, threads used) of one `speedtronic train` process."""
+def one_run(
+    threads: Any, steps: int, workdir: Path, index: int, arriving: tuple[int, float] | None = None
+) -> tuple[float, int]:
+    """(steps/s, threads at the start) of one `speedtronic train` process. ``arriving``:
+    (hogs, seconds): that many hogs start that long after the run's first step began
+    (its ``train_start`` event) and stop when it ends."""
     run_dir = workdir / f"run{index}"
     events = run_dir / "events.jsonl"
     run_dir.mkdir()
     path = run_dir / "config.yaml"
     path.write_text(yaml.safe_dump(config(steps, str(run_dir), threads, str(events))))
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
-    subprocess.run(
+    process = subprocess.Popen(
         [sys.executable, "-m", "speedtronic", "train", "--config", str(path)],
-        check=True,
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        timeout=1800,
     )
+    with contextlib.ExitStack() as stack:
+        stack.callback(lambda: process.poll() is None and process.kill())
+        if arriving is not None:
+            deadline = time.monotonic() + 1800
+            while '"train_start"' not in (events.read_text() if events.exists() else ""):
+                if process.poll() is not None or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            time.sleep(arriving[1])
+            stack.enter_context(hogs(arriving[0], settle=0.0))
+        if process.wait(timeout=1800) != 0:
+            raise SystemExit(f"a benchmark run failed (exit {process.returncode}): {path}")
     records = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
     end = next(r for r in records if r.get("event") == "train_end")
     start = next(r for r in records if r.get("event") == "train_start")
@@ -86,10 +103,10 @@ def one_run(threads: Any, steps: int, workdir: Path, index: int) -> tuple[float,
 
 
 @contextmanager
-def hogs(count: int):
+def hogs(count: int, settle: float = 0.5):
     procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
     try:
-        time.sleep(0.5)  # let the scheduler see them
+        time.sleep(settle)  # let the scheduler see them
         yield
     finally:
         for proc in procs:
@@ -106,11 +123,21 @@ def main() -> None:
     parser.add_argument("--hogs", type=int, default=2, help="CPU hogs in the loaded condition")
     parser.add_argument("--rounds", type=int, help="override the preset's rounds")
     parser.add_argument("--steps", type=int, help="override the preset's steps per run")
+    parser.add_argument(
+        "--arriving",
+        type=float,
+        help="also the 'arriving' condition: the hogs start this many seconds after each run's "
+        "first step (the load changes while it trains)",
+    )
+    parser.add_argument(
+        "--arriving-steps", type=int, default=150, help="steps per run of the arriving condition"
+    )
     args = parser.parse_args()
     steps, rounds = PRESETS["quick" if args.quick else "full"]
     rounds = args.rounds or rounds
     steps = args.steps or steps
     names = list(VARIANTS)
+    conditions = ["idle", "loaded"] + (["arriving"] if args.arriving is not None else [])
     rates: dict[tuple[str, str], list[float]] = {}
     used: dict[tuple[str, str], int] = {}
     loads: list[float] = []
@@ -119,11 +146,13 @@ def main() -> None:
         workdir = Path(tmp)
         for round_ in range(rounds):
             order = names[round_ % len(names) :] + names[: round_ % len(names)]
-            for condition in ("idle", "loaded"):
+            for condition in conditions:
+                arriving = (args.hogs, args.arriving) if condition == "arriving" else None
+                length = args.arriving_steps if arriving else steps
                 with hogs(args.hogs if condition == "loaded" else 0):
                     for name in order:
                         loads.append(os.getloadavg()[0])
-                        rate, threads = one_run(VARIANTS[name], steps, workdir, counter)
+                        rate, threads = one_run(VARIANTS[name], length, workdir, counter, arriving)
                         counter += 1
                         rates.setdefault((condition, name), []).append(rate)
                         used[(condition, name)] = threads
@@ -140,7 +169,7 @@ def main() -> None:
         f"median {statistics.median(loads):.1f}, max {max(loads):.1f}"
     )
     print(f"{'condition':10s} {'variant':8s} {'threads':>7s} {'steps/s':>8s} {'vs best':>8s}")
-    for condition in ("idle", "loaded"):
+    for condition in conditions:
         medians = {name: statistics.median(rates[(condition, name)]) for name in names}
         best = max(medians.values())
         for name in names:
@@ -156,8 +185,14 @@ def main() -> None:
         f"steps/s of real train processes (wall time of the run's steps), {rounds} interleaved "
         f"rounds of {steps} steps, {cores} cores, 1-min load {min(loads):.0f}-{max(loads):.0f}"
     )
-    for condition in ("idle", "loaded"):
-        hogs_said = f"{args.hogs} hogs" if condition == "loaded" else "no hogs"
+    said = {
+        "idle": "no hogs",
+        "loaded": f"{args.hogs} hogs",
+        "arriving": f"{args.hogs} hogs from {args.arriving:g} s into a {args.arriving_steps}-step "
+        "run",
+    }
+    for condition in conditions:
+        hogs_said = said[condition]
         emit(
             f"threads.{condition}.auto",
             rates[(condition, "auto")],
