@@ -308,47 +308,9 @@ class SharedDirectoryTransport(SharedDirMembers, _SideFiles, Transport):
                 f"{source} is gone (replaced by a newer version?)"
             ) from exc
 
-    @contextlib.contextmanager
-    def _exclusive(self) -> Iterator[None]:
-        """The store's writer lock: this process's threads, then other processes (lockf),
-        waited for at most ``lock_wait`` seconds in all."""
-        with _PROCESS_LOCKS_GUARD:
-            thread_lock = _PROCESS_LOCKS.setdefault(self._real_root(), threading.Lock())
-        path = self.root / LOCK_FILE
-        deadline = time.monotonic() + self.lock_wait
-        if not thread_lock.acquire(timeout=self.lock_wait):
-            raise self._lock_timeout(path, "another thread of this process")
-        try:
-            if fcntl is None:
-                yield
-                return
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "a+b") as handle:
-                pause = 0.005
-                while True:
-                    try:
-                        fcntl.lockf(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                        break
-                    except OSError as exc:  # EACCES or EAGAIN: another process holds it
-                        if exc.errno not in (errno.EACCES, errno.EAGAIN):
-                            raise
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise self._lock_timeout(path, "another process")
-                    time.sleep(min(pause, left))
-                    pause = min(pause * 2, 0.05)
-                try:
-                    yield
-                finally:
-                    fcntl.lockf(handle.fileno(), fcntl.LOCK_UN)
-        finally:
-            thread_lock.release()
-
-    def _lock_timeout(self, path: Path, holder: str) -> TransientTransportError:
-        return TransientTransportError(
-            f"{path}: held by {holder} for more than {self.lock_wait:g} s (a writer frozen or "
-            "stuck while writing?); retrying"
-        )
+    def _exclusive(self) -> contextlib.AbstractContextManager[None]:
+        """The store's writer lock (see :func:`_store_lock`)."""
+        return _store_lock(self.root / LOCK_FILE, self._real_root(), self.lock_wait)
 
     # ------------------------------------------------------------------ interface
     def create_store(self, *, private: bool = True) -> None:
@@ -622,3 +584,47 @@ def _local_chunks(source: Path) -> Iterator[bytes]:
     with open(source, "rb") as reader:
         while chunk := reader.read(_CHUNK):
             yield chunk
+
+
+@contextlib.contextmanager
+def _store_lock(path: Path, real_root: str, lock_wait: float) -> Iterator[None]:
+    """A store's writer lock: this process's threads, then other processes (lockf on
+    ``path``), waited for at most ``lock_wait`` seconds in all; past that a retryable error
+    naming the lock file."""
+
+    def timeout(holder: str) -> TransientTransportError:
+        return TransientTransportError(
+            f"{path}: held by {holder} for more than {lock_wait:g} s (a writer frozen or "
+            "stuck while writing?); retrying"
+        )
+
+    with _PROCESS_LOCKS_GUARD:
+        thread_lock = _PROCESS_LOCKS.setdefault(real_root, threading.Lock())
+    deadline = time.monotonic() + lock_wait
+    if not thread_lock.acquire(timeout=lock_wait):
+        raise timeout("another thread of this process")
+    try:
+        if fcntl is None:
+            yield
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a+b") as handle:
+            pause = 0.005
+            while True:
+                try:
+                    fcntl.lockf(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError as exc:  # EACCES or EAGAIN: another process holds it
+                    if exc.errno not in (errno.EACCES, errno.EAGAIN):
+                        raise
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise timeout("another process")
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, 0.05)
+            try:
+                yield
+            finally:
+                fcntl.lockf(handle.fileno(), fcntl.LOCK_UN)
+    finally:
+        thread_lock.release()
