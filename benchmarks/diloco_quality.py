@@ -3,8 +3,9 @@ their two references, in one run.
 
 The corpus (default: Pride and Prejudice, about 0.7 MB) is prepared with
 `speedtronic data prepare --tokenizer bytes --blank-line-documents --eval-fraction 0.1`, so
-training reads shuffled windows of `train/` and every loss below is measured on the SAME first
-`--eval-batches` micro-batches of the held-out `eval/` split. Three things train:
+training reads shuffled windows of `train/` and every loss below is measured on the SAME
+`--eval-batches` micro-batches of the held-out `eval/` split (windows spread evenly over
+it). Three things train:
 
 - **DiLoCo**: a master and N - 1 workers (the master trains too: N nodes), each a
   `speedtronic train -c <config>` process on a shared-directory store, with `configs/diloco.yaml`
@@ -55,9 +56,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = REPO / "configs" / "diloco.yaml"
-DEFAULT_CORPUS = REPO.parent.parent / "shared" / "data" / "pride_and_prejudice.txt"
-if not DEFAULT_CORPUS.exists():  # a checkout elsewhere: the shared data folder of the project
-    DEFAULT_CORPUS = Path("/work/shared/data/pride_and_prejudice.txt")
+DEFAULT_CORPUS = REPO / "benchmarks" / "data" / "pride_and_prejudice.txt"  # see its README
 
 QUICK = {"nodes": 3, "inner_steps": 10, "steps": 100, "eval_batches": 8}
 
