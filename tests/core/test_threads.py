@@ -124,8 +124,8 @@ class Clock:
         return self.now
 
 
-def test_the_governor_follows_the_load_once_two_readings_agree() -> None:
-    readings = iter([4, 4, 0, 4, 0, 0, None, 0])
+def test_the_governor_cuts_threads_at_once_and_adds_them_when_two_readings_agree() -> None:
+    readings = iter([4, 0, 4, 0, 0, None, 3, 0])
     applied: list[int] = []
     clock = Clock()
     governor = ThreadGovernor(
@@ -137,17 +137,18 @@ def test_the_governor_follows_the_load_once_two_readings_agree() -> None:
     for _ in range(7):
         clock.now += 5.0
         changes.append(governor.tick())
-    # 4 busy: wanted 1 (proposed), 4 again: changed; 0 then 4: no agreement; 0, 0: back to 2.
+    # 4 busy: down to 1 at once; 0 then 4: no agreement to go up; 0, 0: back to 2; None: the
+    # load could not be read, nothing changes; 3 busy: down at once again.
     assert changes == [
-        None,
         {"threads": 1, "previous": 2, "busy": 4},
         None,
         None,
         None,
         {"threads": 2, "previous": 1, "busy": 0},
-        None,  # None: the load could not be read; nothing changes
+        None,
+        {"threads": 1, "previous": 2, "busy": 3},
     ]
-    assert applied == [1, 2] and governor.threads == 2
+    assert applied == [1, 2, 1] and governor.threads == 1
     assert RECHECK_S == 5.0  # the interval docs/engine.md and run.threads' help state
     assert next(readings) == 0  # a reading per interval, not per tick
 

@@ -13,8 +13,9 @@ Environment variables (all optional):
 * ``DILOCO_E2E_FAIL_UPLOAD_STEP``: that step's upload fails (after the delay), permanently;
 * ``DILOCO_E2E_HOLD_LATER``: ``1``: the uploads of later local steps wait ``DILOCO_E2E_HOLD_S``
   before they land, so a node killed meanwhile has sent nothing after the chosen step;
-* ``DILOCO_E2E_BARRIER``: a directory; at train start the node writes ``<node_id>.ready``
-  there and waits (at most ``DILOCO_E2E_BARRIER_S``, default 120 s) for a ``go`` file, so the
+* ``DILOCO_E2E_BARRIER``: a directory; at train start the node writes ``<name>.ready`` there
+  (``DILOCO_E2E_BARRIER_NAME``, default its node id) and waits (at most
+  ``DILOCO_E2E_BARRIER_S``, default 120 s) for a ``go`` file, so the
   test starts every node's training together however long each process took to start.
 """
 
@@ -35,6 +36,7 @@ HOLD_LATER = os.environ.get("DILOCO_E2E_HOLD_LATER") == "1"
 HOLD_S = float(os.environ.get("DILOCO_E2E_HOLD_S", "120") or 120)
 BARRIER = os.environ.get("DILOCO_E2E_BARRIER")
 BARRIER_S = float(os.environ.get("DILOCO_E2E_BARRIER_S", "120") or 120)
+BARRIER_NAME = os.environ.get("DILOCO_E2E_BARRIER_NAME")
 
 if UPLOAD_STEP >= 0 or FAIL_STEP >= 0:
     from speedtronic_diloco.transports.base import PermanentTransportError
@@ -68,8 +70,8 @@ def on_train_start(trainer: Any) -> None:
     from pathlib import Path
 
     barrier = Path(BARRIER)
-    node = trainer.config.plugins["distributed"].node_id
-    (barrier / f"{node}.ready").write_text("ready")
+    name = BARRIER_NAME or trainer.config.plugins["distributed"].node_id
+    (barrier / f"{name}.ready").write_text("ready")
     deadline = time.monotonic() + BARRIER_S
     while not (barrier / "go").exists() and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -217,11 +217,14 @@ def start_together(nodes: list[Node], barrier: Path) -> None:
     """Start the processes, wait (bounded) until each is at train start, then let them all
     train at once (``DILOCO_E2E_BARRIER`` of the test plugin)."""
     barrier.mkdir(parents=True, exist_ok=True)
-    for node in nodes:
-        with_plugin(node, DILOCO_E2E_BARRIER=str(barrier))
+    # Each process says it is ready under its own name: node ids repeat across the runs of
+    # one test (two stores, each with a "master"), and a shared name would let "go" out early.
+    names = [f"{index}-{node.node_id}" for index, node in enumerate(nodes)]
+    for node, name in zip(nodes, names, strict=True):
+        with_plugin(node, DILOCO_E2E_BARRIER=str(barrier), DILOCO_E2E_BARRIER_NAME=name)
         node.start()
     wait_until(
-        lambda: all((barrier / f"{n.node_id}.ready").exists() for n in nodes),
+        lambda: all((barrier / f"{name}.ready").exists() for name in names),
         nodes,
         "every node at train start",
     )

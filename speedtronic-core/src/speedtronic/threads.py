@@ -17,8 +17,10 @@ each). On an idle machine that is every core with the OpenMP runtime's defaults 
 threads spin-wait between parallel regions, the fastest way there); with other work on the
 cores it is fewer threads, down to one, because a step whose threads wait for a descheduled
 spinner runs several times slower (``benchmarks/threads.py``). While a run trains,
-:class:`ThreadGovernor` looks again every :data:`RECHECK_S` seconds and follows the load (two
-readings in a row must agree before the count changes). Where the load cannot be seen (not
+:class:`ThreadGovernor` looks again every :data:`RECHECK_S` seconds and follows the load: it
+cuts threads at the first reading that calls for fewer (too many threads on busy cores is the
+costly mistake) and adds them back only when two readings in a row agree (a short lull is not
+worth a change). Where the load cannot be seen (not
 Linux, a process pinned to some of the machine's CPUs) ``auto`` is the static count.
 
 This module never imports torch.
@@ -167,8 +169,9 @@ def _fit(cores: int, processes: int, cap: int, busy: int | None, siblings: int |
 
 class ThreadGovernor:
     """``run.threads: auto`` while a run trains: every ``interval`` seconds (at a step's end,
-    :meth:`tick`) it reads the load again and, when two readings in a row call for the same
-    other count, changes the threads through ``set_threads``. ``busy`` and ``clock`` are
+    :meth:`tick`) it reads the load again and changes the threads through ``set_threads``:
+    down at once when a reading calls for fewer, up when two readings in a row call for the
+    same higher count. ``busy`` and ``clock`` are
     injectable for tests."""
 
     def __init__(
@@ -219,8 +222,8 @@ class ThreadGovernor:
         if wanted == self.threads:
             self._proposed = None
             return None
-        if self._proposed != wanted:
-            self._proposed = wanted  # the next reading must agree
+        if wanted > self.threads and self._proposed != wanted:
+            self._proposed = wanted  # more threads: the next reading must agree
             return None
         previous, self.threads, self._proposed = self.threads, wanted, None
         self.set_threads(wanted)
