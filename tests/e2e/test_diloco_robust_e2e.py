@@ -5,8 +5,8 @@ write access to the shared directory plants deltas next to theirs:
 * an insider (who has the key) plants each honest delta multiplied by 1e6, signed;
 * an outsider plants unsigned deltas and signed deltas with flipped bytes.
 
-The global's held-out loss still falls and ends within 10% of a run with the honest nodes only
-(async rounds vary with timing);
+The global's held-out loss still falls and ends within 25% of a run with the honest nodes only
+(async rounds vary with timing; only honest deltas are ever aggregated);
 every planted delta is rejected with its reason (``delta_rejected``); and the key appears in
 no file any process wrote. Every wait is a bounded poll on a condition.
 """
@@ -127,9 +127,11 @@ def test_a_hostile_writer_cannot_wreck_the_global(tmp_path: Path, honest_loss: f
     loss, master = run(tmp_path, plant_hostile_deltas)
     assert loss < initial - 0.5, (initial, loss)  # the held-out loss fell...
     # ...about as far as without the attack. Async rounds depend on timing (which deltas meet in
-    # which round): on a loaded machine one attacked run ended 7% above its honest run with
-    # every planted delta rejected, while a 1e6 x delta that got in ends far above the start.
-    assert loss <= 1.10 * honest_loss, (loss, honest_loss)
+    # which round, and the master's rejection work adds staleness): with every planted delta
+    # rejected, attacked runs ended 7% above their honest run on a loaded machine and 11% above
+    # with two CPU hogs beside two test workers, while a 1e6 x delta that got in ends far above
+    # the start. That nothing planted was aggregated is checked exactly below.
+    assert loss <= 1.25 * honest_loss, (loss, honest_loss)
 
     rejected = master.events("delta_rejected")
     reasons = {(e["node"], e["reason"]) for e in rejected}
