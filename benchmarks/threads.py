@@ -138,6 +138,7 @@ def main() -> None:
     steps = args.steps or steps
     names = list(VARIANTS)
     conditions = ["idle", "loaded"] + (["arriving"] if args.arriving is not None else [])
+    length_of = {"idle": steps, "loaded": steps, "arriving": args.arriving_steps}
     rates: dict[tuple[str, str], list[float]] = {}
     used: dict[tuple[str, str], int] = {}
     loads: list[float] = []
@@ -148,7 +149,7 @@ def main() -> None:
             order = names[round_ % len(names) :] + names[: round_ % len(names)]
             for condition in conditions:
                 arriving = (args.hogs, args.arriving) if condition == "arriving" else None
-                length = args.arriving_steps if arriving else steps
+                length = length_of[condition]
                 with hogs(args.hogs if condition == "loaded" else 0):
                     for name in order:
                         loads.append(os.getloadavg()[0])
@@ -181,23 +182,26 @@ def main() -> None:
             f"{condition:10s} auto / default {medians['auto'] / medians['default']:.2f}, "
             f"auto / 1 {medians['auto'] / medians['1']:.2f}"
         )
-    method = (
-        f"steps/s of real train processes (wall time of the run's steps), {rounds} interleaved "
-        f"rounds of {steps} steps, {cores} cores, 1-min load {min(loads):.0f}-{max(loads):.0f}"
-    )
-    said = {
-        "idle": "no hogs",
-        "loaded": f"{args.hogs} hogs",
-        "arriving": f"{args.hogs} hogs from {args.arriving:g} s into a {args.arriving_steps}-step "
-        "run",
-    }
+
+    def method(condition: str) -> str:
+        return (
+            f"steps/s of real train processes (wall time of the run's steps), {rounds} "
+            f"interleaved rounds of {length_of[condition]} steps, {cores} cores, 1-min load "
+            f"{min(loads):.0f}-{max(loads):.0f}"
+        )
+
+    said = {"idle": "no hogs", "loaded": f"{args.hogs} hogs"}
+    if args.arriving is not None:
+        said["arriving"] = (
+            f"{args.hogs} hogs from {args.arriving:g} s into a {args.arriving_steps}-step run"
+        )
     for condition in conditions:
         hogs_said = said[condition]
         emit(
             f"threads.{condition}.auto",
             rates[(condition, "auto")],
             unit="steps/s",
-            method=method,
+            method=method(condition),
             label=f"run.threads: auto, steps/s, {hogs_said}",
         )
         for other in ("1", "default"):
@@ -210,7 +214,7 @@ def main() -> None:
                 f"threads.{condition}.auto_vs_{'one' if other == '1' else other}",
                 ratios,
                 unit="x",
-                method=method,
+                method=method(condition),
                 label=f"steps/s, run.threads auto / {other}, {hogs_said}",
             )
 
