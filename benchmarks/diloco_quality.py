@@ -35,6 +35,39 @@ of the first half).
 `auto` (what one config gives every node), `ranked` (`num_nodes`/`node_rank`: disjoint slices),
 `same` (`data.node_split: none`, when this version has the key). `--rounds async|sync` sets
 `distributed.rounds`, only when this version has that key.
+
+Conditions (how real swarms start and run):
+
+- `--stagger SECONDS`: each worker starts that many seconds after the previous node (the
+  master first). Without it the workers all start 1 s after the master ("together").
+- `--stagger-after-outer K`: the first worker starts once the master's published global has
+  reached outer step K, the others `--stagger` seconds apart after it (at once without
+  `--stagger`). `K = 0` is the user's way: a terminal per worker, opened once the master's
+  first global exists.
+- `--slow-node FACTOR`: the last worker runs FACTOR x slower: `benchmarks/slow_node.py`
+  (loaded with `--plugin slow_node`) sleeps (FACTOR - 1) x that process's own median step
+  time after each of its optimizer steps, so the factor holds on any machine.
+- `--corpus`: any UTF-8 text file (prepared here as above) or a directory of prepared shards
+  (what `speedtronic data prepare` writes: `index.json`, `train/`, and an `eval/` split).
+
+Besides the losses it reports the **time to one node's final loss**: seconds from the
+master's start until a global first scored at most the one-node run's final held-out loss (the
+`time` of the master's `outer_eval` events), and that time over the one-node run's own wall
+time; and, per DiLoCo node, the share of its wall time spent in boundary waits that ended by
+a timeout: its own (`round_wait_timeout` events) or the master's, a wait for a round the master
+closed by `round_timeout` (`round_waited` events of an outer step whose `outer_step` event says
+`reason: timeout`). Sync workers waiting for the master's first global have no event: not
+counted.
+
+`--matrix` runs {together, staggered (`--matrix-stagger`, 10 s), one node 2x slower} x
+{the config's `distributed.rounds`, the other mode} on each `--corpus` (default: both corpora
+of `benchmarks/data/`), the references shared per corpus, and prints `RESULT` lines
+(`benchmarks/results.py`) `diloco_quality.<corpus>.<condition>.<mode>.<figure>` for
+`run_all.py` (see `benchmarks/diloco_matrix.py`):
+
+    python benchmarks/diloco_quality.py --stagger-after-outer 0 --rounds sync
+    python benchmarks/diloco_quality.py --stagger 10 --slow-node 2 --corpus my_text.txt
+    python benchmarks/diloco_quality.py --matrix --quick           # every cell at --quick size
 """
 
 from __future__ import annotations
@@ -48,30 +81,33 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+from diloco_processes import (
+    Process,
+    finished,
+    read_events,
+    slow_down,
+    start,
+    start_nodes,
+    train_process,
+    wait_all,
+)
+from diloco_report import report
+from diloco_timing import loss_points, time_to_loss, timeout_rounds, timeout_share, wait_totals
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = REPO / "configs" / "diloco.yaml"
 DEFAULT_CORPUS = REPO / "benchmarks" / "data" / "pride_and_prejudice.txt"  # see its README
+# The public-domain corpora the repository ships (benchmarks/data/README.md): --matrix's default.
+CORPORA = (DEFAULT_CORPUS, REPO / "benchmarks" / "data" / "kjv_genesis_to_numbers.txt")
 
+TIMING_FILE = "timing.json"  # a reference's start time and wall seconds, beside its events
 QUICK = {"nodes": 3, "inner_steps": 10, "steps": 100, "eval_batches": 8}
-
-
-@dataclass
-class Process:
-    """One `speedtronic train` process of the run and where its events land."""
-
-    name: str
-    command: list[str]
-    events: Path
-    log: Path
-    popen: subprocess.Popen | None = None
-    started: float = 0.0
-    wall_s: float | None = None
 
 
 @dataclass
@@ -114,7 +150,51 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--eval-batches", type=int, default=32, help="held-out micro-batches")
     parser.add_argument("--seed", type=int, default=0, help="run.seed of every process")
-    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS, help="a UTF-8 text file")
+    parser.add_argument(
+        "--corpus",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="a UTF-8 text file or a directory of prepared shards (several with --matrix); "
+        "default: benchmarks/data/pride_and_prejudice.txt (--matrix: every shipped corpus)",
+    )
+    parser.add_argument(
+        "--stagger",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="each worker starts SECONDS after the previous node (default: all 1 s after the "
+        "master)",
+    )
+    parser.add_argument(
+        "--stagger-after-outer",
+        type=int,
+        default=None,
+        metavar="K",
+        help="the first worker starts once the master's global reached outer step K (0: its "
+        "first global), the others --stagger apart",
+    )
+    parser.add_argument(
+        "--slow-node",
+        type=float,
+        default=None,
+        metavar="FACTOR",
+        help="the last worker runs FACTOR x slower (a sleep after each step sized from its own "
+        "median step time: benchmarks/slow_node.py)",
+    )
+    parser.add_argument(
+        "--matrix",
+        action="store_true",
+        help="{together, staggered, one node 2x slower} x {the config's rounds, the other} on "
+        "each --corpus; RESULT lines for run_all.py",
+    )
+    parser.add_argument(
+        "--matrix-stagger",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="--matrix: the staggered condition's --stagger (--quick: 2)",
+    )
     parser.add_argument("--config", type=Path, default=DEMO_CONFIG, help="the user's config")
     parser.add_argument("--quick", action="store_true", help=f"small preset: {QUICK}")
     parser.add_argument("--json", type=Path, default=None, help="write the summary here")
@@ -133,7 +213,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     if args.quick:
-        for key, value in QUICK.items():
+        # The quick runs last seconds: a 10 s stagger would start the workers after the end.
+        for key, value in {**QUICK, "matrix_stagger": 2.0}.items():
             # A preset value only where the user kept the default.
             if getattr(args, key) == parser.get_default(key):
                 setattr(args, key, value)
@@ -148,6 +229,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--node-data same: this version has no data.node_split key")
     if args.inner_steps < 1 or args.steps < args.inner_steps:
         parser.error("need 1 <= --inner-steps <= --steps")
+    if args.corpus is None:
+        args.corpus = list(CORPORA) if args.matrix else [DEFAULT_CORPUS]
+    if len(args.corpus) > 1 and not args.matrix:
+        parser.error("--corpus: one corpus per run (several with --matrix)")
+    if args.stagger is not None and args.stagger < 0:
+        parser.error("--stagger must be at least 0")
+    if args.stagger_after_outer is not None and args.stagger_after_outer < 0:
+        parser.error("--stagger-after-outer must be at least 0")
+    if args.slow_node is not None and args.slow_node < 1:
+        parser.error("--slow-node must be at least 1 (a factor of slowness)")
+    chosen_per_cell = (args.stagger, args.stagger_after_outer, args.slow_node, args.rounds)
+    if args.matrix and any(value is not None for value in chosen_per_cell):
+        parser.error("--matrix sets --rounds, --stagger and --slow-node itself")
     return args
 
 
@@ -192,8 +286,25 @@ def data_keys() -> set[str]:
     return {f.name for f in dataclasses.fields(DataConfig)}
 
 
+def corpus_name(corpus: Path) -> str:
+    """The corpus's name in row ids: a text file's stem, a shard directory's name."""
+    return corpus.stem if corpus.is_file() else corpus.resolve().name
+
+
 def prepare_corpus(corpus: Path, out: Path) -> tuple[Path, int]:
-    """Token shards of ``corpus`` (bytes, 10% of its paragraphs held out); their vocabulary."""
+    """Token shards of ``corpus`` (bytes, 10% of its paragraphs held out), or ``corpus`` itself
+    when it is a directory of prepared shards; their vocabulary."""
+    if corpus.is_dir():
+        index_path = corpus / "index.json"
+        if not index_path.exists():
+            raise SystemExit(f"--corpus {corpus}: a directory without index.json (not shards)")
+        index = json.loads(index_path.read_text())
+        if not index.get("splits", {}).get("eval", {}).get("tokens"):
+            raise SystemExit(
+                f"--corpus {corpus}: the shards hold no eval split; prepare them with "
+                "`speedtronic data prepare ... --eval-fraction 0.1`"
+            )
+        return corpus.resolve(), int(index["vocab_size"])
     if not (out / "index.json").exists():
         command = [
             sys.executable, "-m", "speedtronic", "data", "prepare", str(corpus), "--out",
@@ -254,66 +365,6 @@ def write_yaml(path: Path, config: dict[str, Any]) -> Path:
     return path
 
 
-def train_process(name: str, config: Path, root: Path, *sets: str) -> Process:
-    out = root / name
-    events = out / "events.jsonl"
-    command = [sys.executable, "-m", "speedtronic", "train", "-c", str(config)]
-    command += ["--output-dir", str(out), "--set", f"logging.json_file={events}"]
-    for item in sets:
-        command += ["--set", item]
-    return Process(name, command, events, root / f"{name}.log")
-
-
-def start(process: Process) -> None:
-    process.events.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    log = open(process.log, "w")  # noqa: SIM115 - closed by the child's exit
-    process.popen = subprocess.Popen(
-        process.command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=process.events.parent
-    )
-    process.started = time.monotonic()
-
-
-def wait_all(processes: list[Process], timeout: float) -> None:
-    """Wait for every process (bounded); kill the rest on timeout or on the first failure."""
-    deadline = time.monotonic() + timeout
-    pending = list(processes)
-    failed: Process | None = None
-    while pending and failed is None and time.monotonic() < deadline:
-        for process in list(pending):
-            assert process.popen is not None
-            code = process.popen.poll()
-            if code is None:
-                continue
-            process.wall_s = time.monotonic() - process.started
-            pending.remove(process)
-            if code != 0:
-                failed = process
-        time.sleep(0.5)
-    for process in pending:
-        assert process.popen is not None
-        process.popen.kill()
-        process.popen.wait(timeout=30)
-    if failed is not None or pending:
-        culprit = failed or pending[0]
-        tail = culprit.log.read_text(errors="replace")[-3000:]
-        why = "failed" if failed is not None else f"did not finish in {timeout:.0f} s"
-        raise SystemExit(f"{culprit.name} {why}; its log ends:\n{tail}")
-
-
-def finished(process: Process) -> bool:
-    """True when ``process`` already ran to its end (a reused reference)."""
-    return any(
-        e["event"] == "train_end" and e.get("status") == "ok" for e in read_events(process.events)
-    )
-
-
-def read_events(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def eval_curve(events: list[dict[str, Any]]) -> dict[int, float]:
     """Held-out loss by optimizer step from a run's ``eval`` events."""
     return {int(e["step"]): float(e["loss"]) for e in events if e["event"] == "eval"}
@@ -368,6 +419,57 @@ def outer_rows(master_events: list[dict[str, Any]], nodes: int) -> list[dict[str
     return rows
 
 
+def reference_wall(process: Process) -> float | None:
+    """A reference's wall seconds: measured now, or by the run that left it in the workdir."""
+    if process.wall_s is not None:
+        return process.wall_s
+    path = process.events.parent / TIMING_FILE
+    return json.loads(path.read_text()).get("wall_s") if path.exists() else None
+
+
+def timing_figures(
+    diloco: list[Process], master_events: list[dict[str, Any]], one: float | None, ref: Process
+) -> dict[str, Any]:
+    """Time to one node's final loss (from the master's start) against one node's wall time;
+    each node's boundary waits and the share of its wall time in those that timed out."""
+    reached = None
+    if one is not None:
+        reached = time_to_loss(loss_points(master_events), one, diloco[0].started_wall)
+    one_wall = reference_wall(ref) if one is not None else None
+    waits: dict[str, dict[str, Any]] = {}
+    closed = timeout_rounds(master_events)
+    for process in diloco:
+        events = read_events(process.events)
+        totals = wait_totals(events, closed)
+        wall = process.wall_s or 0.0
+        waits[process.name] = {
+            **totals,
+            "wall_s": round(wall, 1),
+            "timeout_share": timeout_share(events, wall, closed),
+            "wait_share": (totals["timeout_s"] + totals["waited_s"]) / wall if wall > 0 else None,
+        }
+    shares = [w["timeout_share"] for w in waits.values() if w["timeout_share"] is not None]
+    return {
+        "time_to_one_node_s": round(reached, 1) if reached is not None else None,
+        "one_node_wall_s": round(one_wall, 1) if one_wall is not None else None,
+        "time_to_one_node_ratio": reached / one_wall if reached is not None and one_wall else None,
+        "waits": waits,
+        "timeout_wait_share": max(shares) if shares else None,
+    }
+
+
+def slow_node_summary(process: Process) -> dict[str, Any]:
+    """What the slowed node's ``slow_node`` event says (the factor, its median step, seconds
+    slept), with the mechanism in words."""
+    told = [e for e in read_events(process.events) if e["event"] == "slow_node"]
+    return {
+        "node": process.name,
+        **({k: v for k, v in told[-1].items() if k not in ("event", "time")} if told else {}),
+        "mechanism": "benchmarks/slow_node.py: after each optimizer step a sleep of "
+        "(FACTOR - 1) x the node's median step interval (last 50 steps)",
+    }
+
+
 def run(args: argparse.Namespace) -> Result:
     overrides = parse_overrides(args.overrides)
     keep = args.workdir is not None
@@ -381,8 +483,9 @@ def run(args: argparse.Namespace) -> Result:
 
 
 def _run(args: argparse.Namespace, overrides: dict[str, Any], root: Path) -> Result:
-    corpus_key = hashlib.sha256(str(args.corpus.resolve()).encode()).hexdigest()[:12]
-    shards, vocab = prepare_corpus(args.corpus, root / f"shards-{corpus_key}")
+    (corpus,) = args.corpus
+    corpus_key = hashlib.sha256(str(corpus.resolve()).encode()).hexdigest()[:12]
+    shards, vocab = prepare_corpus(corpus, root / f"shards-{corpus_key}")
     config = base_config(args, shards, vocab, root)
     for key, value in overrides.items():
         set_key(config, key, value)
@@ -411,16 +514,21 @@ def _run(args: argparse.Namespace, overrides: dict[str, Any], root: Path) -> Res
         if args.node_data == "ranked":
             sets += [f"distributed.num_nodes={args.nodes}", f"distributed.node_rank={rank}"]
         diloco.append(train_process(name, nodes_config, nodes_root, *sets))
+    if args.slow_node is not None:
+        slow_down(diloco[-1], args.slow_node)
 
     load_before = load_average()
     started = time.monotonic()
     print(f"# {args.nodes} DiLoCo nodes ({', '.join(names)}) in {root}; load {load_before}")
     # The master first: it creates the store and publishes the initial global.
-    start(diloco[0])
-    time.sleep(1.0)  # not a wait for a condition: it only orders the start lines
-    for process in diloco[1:]:
-        start(process)
-    wait_all(diloco, args.timeout)
+    starts = start_nodes(
+        diloco,
+        nodes_root / "store",
+        stagger=args.stagger,
+        after_outer=args.stagger_after_outer,
+        timeout=args.timeout,
+    )
+    late = wait_all(diloco, args.timeout, late_ok=True)
     diloco_wall = time.monotonic() - started
     load_diloco = load_average()
 
@@ -434,6 +542,9 @@ def _run(args: argparse.Namespace, overrides: dict[str, Any], root: Path) -> Res
             start(process)
         wait_all(todo, args.timeout)
         ref_wall = time.monotonic() - started
+        for process in todo:  # kept beside the events, for a later run that reuses them
+            timing = {"started": process.started_wall, "wall_s": process.wall_s}
+            (process.events.parent / TIMING_FILE).write_text(json.dumps(timing))
     elif not args.no_references:
         print("# references: reused from an identical earlier run in this workdir")
     load_after = load_average()
@@ -481,6 +592,11 @@ def _run(args: argparse.Namespace, overrides: dict[str, Any], root: Path) -> Res
         "second_half_above_best": second_worst - first_best
         if None not in (first_best, second_worst)
         else None,
+        **timing_figures(diloco, master_events, one, refs[0]),
+        "starts": starts,
+        "arrived_after_the_end": late,
+        "round_reasons": dict(sorted(Counter(str(r["reason"]) for r in rows).items())),
+        "slow_node": slow_node_summary(diloco[-1]) if args.slow_node is not None else None,
         "diloco_wall_s": round(diloco_wall, 1),
         "references_wall_s": round(ref_wall, 1) if ref_wall is not None else None,
         "load_average": {"before": load_before, "after_diloco": load_diloco, "end": load_after},
@@ -495,7 +611,11 @@ def _run(args: argparse.Namespace, overrides: dict[str, Any], root: Path) -> Res
         "overrides": overrides,
         "threads": args.threads,
         "eval_batches": args.eval_batches,
-        "corpus": str(args.corpus),
+        "corpus": str(corpus),
+        "corpus_name": corpus_name(corpus),
+        "stagger": args.stagger,
+        "stagger_after_outer": args.stagger_after_outer,
+        "slow_node": args.slow_node,
         "config": str(args.config),
         "seed": args.seed,
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
@@ -503,54 +623,12 @@ def _run(args: argparse.Namespace, overrides: dict[str, Any], root: Path) -> Res
     return Result(settings, rows, summary)
 
 
-def fmt(value: float | None, width: int = 7) -> str:
-    return f"{value:{width}.3f}" if isinstance(value, float) else f"{'-':>{width}}"
-
-
-def report(result: Result) -> None:
-    s = result.settings
-    print(
-        f"\nDiLoCo {s['nodes']} nodes, H {s['inner_steps']}, {s['steps']} steps x batch "
-        f"{s['batch']} per node, node data {s['node_data']}, overrides {s['overrides'] or '-'}"
-    )
-    print(" outer  node step  nodes  staleness   global  one node  N x batch  reason")
-    for row in result.outer:
-        stale = ",".join(map(str, row["staleness"])) or "-"
-        step = row["node_step"] if row["node_step"] is not None else "-"
-        print(
-            f"{row['outer_step']:6d}  {step!s:>9}  {row['nodes']:5d}  {stale:>9}  "
-            f"{fmt(row['global_loss'])}  {fmt(row['one_node'], 8)}  {fmt(row['n_x_batch'], 9)}"
-            f"  {row['reason']}"
-        )
-    m = result.summary
-    own = ", ".join(f"{k} {fmt(v, 0)}" for k, v in m["nodes_own"].items())
-    print(
-        f"\nfinal global {fmt(m['final_global'], 0)} | one node {fmt(m['one_node'], 0)} | "
-        f"{s['nodes']} x batch {fmt(m['n_x_batch'], 0)} | nodes' own: {own}"
-    )
-    print(
-        f"best global {fmt(m['best_global'], 0)} (outer step {m['best_global_outer_step']}); "
-        f"global / one node {fmt(m['global_over_one_node'], 0)}, global / N x batch "
-        f"{fmt(m['global_over_n_x_batch'], 0)}, gap closed {fmt(m['gap_closed'], 0)}"
-    )
-    print(
-        f"outer steps {m['outer_steps']}, with fewer than {s['nodes']} nodes "
-        f"{m['short_rounds']} (by nodes: {m['rounds_by_nodes']}); staleness mean "
-        f"{fmt(m['staleness_mean'], 0)} max {m['staleness_max']} (histogram "
-        f"{m['staleness_hist']})"
-    )
-    print(
-        f"second half's worst global {fmt(m['second_half_worst'], 0)} vs first half's best "
-        f"{fmt(m['first_half_best'], 0)}: {fmt(m['second_half_above_best'], 0)} above"
-    )
-    print(
-        f"wall: DiLoCo {m['diloco_wall_s']} s, references {m['references_wall_s']} s; load "
-        f"average {m['load_average']}"
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.matrix:
+        from diloco_matrix import run_matrix
+
+        return run_matrix(args, sys.modules[__name__])
     result = run(args)
     report(result)
     if args.json is not None:

@@ -110,6 +110,10 @@ BENCHMARKS: list[Benchmark] = [
         ),
         full=("--nodes", "3", "--outer-momentum", "0.5", "--seeds", "0,1,2,3,4"),
     ),
+    # Issue 40's matrix at its own size (3 nodes, H 25, 600 x 8; both corpora of
+    # benchmarks/data/): {together, staggered 10 s, one node 2x slower} x {both round modes}.
+    # Sync cells that stall at round_timeout take minutes each, hence the long timeout.
+    Benchmark("diloco_quality", quick=("--matrix",), full=("--matrix",), timeout_s=14400),
 ]
 
 

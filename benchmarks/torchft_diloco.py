@@ -15,6 +15,12 @@ holds the same averaged model) on the first ``--eval-batches`` held-out micro-ba
 steps and prints the final held-out loss; ``--json`` writes the curve. Needs
 ``pip install torchft==0.2.0 -c constraints-cpu.txt``.
 
+``--corpus`` takes one or more text files or prepared shard directories (default: both corpora
+of ``benchmarks/data/``, as ``diloco_quality.py --matrix``); each gets its ``RESULT`` row
+``torchft_diloco.<corpus>.together.final_global``, beside the quality matrix's
+``diloco_quality.<corpus>.together.<mode>.final_global`` (every replica starts at once: the
+"together" condition).
+
     python benchmarks/torchft_diloco.py --quick
     python benchmarks/torchft_diloco.py --nodes 3 --inner-steps 25 --steps 600 --json tf.json
     python benchmarks/torchft_diloco.py --nodes 3 --inner-steps 25 --steps 600 --seeds 0,1,2
@@ -65,7 +71,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--outer-lr", type=float, default=None, help="default: the config's")
     parser.add_argument("--outer-momentum", type=float, default=None, help="default: the config's")
     parser.add_argument("--node-data", choices=("auto", "ranked"), default="auto")
-    parser.add_argument("--corpus", type=Path, default=quality.DEFAULT_CORPUS)
+    parser.add_argument(
+        "--corpus",
+        type=Path,
+        nargs="+",
+        default=list(quality.CORPORA),
+        help="text files or prepared shard directories (default: benchmarks/data/'s corpora)",
+    )
     parser.add_argument("--config", type=Path, default=quality.DEMO_CONFIG)
     parser.add_argument("--workdir", type=Path, default=None, help="keep the shards here")
     parser.add_argument("--quick", action="store_true", help=f"small preset: {QUICK}")
@@ -167,11 +179,12 @@ def replica(
     out.put({"index": index, "curve": curve, "own": own, "wall_s": time.monotonic() - started})
 
 
-def run_seed(args: argparse.Namespace, seed: int, root: Path) -> dict[str, Any]:
-    """One torchft run of ``args`` with ``run.seed`` = ``seed``: replica 0's curve and more."""
+def run_seed(args: argparse.Namespace, corpus: Path, seed: int, root: Path) -> dict[str, Any]:
+    """One torchft run of ``args`` on ``corpus`` with ``run.seed`` = ``seed``: replica 0's
+    curve and more."""
     from torchft._torchft import LighthouseServer
 
-    shards, vocab = quality.prepare_corpus(args.corpus, root / "shards")
+    shards, vocab = quality.prepare_corpus(corpus, root / "shards")
     # The quality benchmark's config, with the fields it reads set as that script sets them.
     options = argparse.Namespace(
         **{**vars(args), "seed": seed, "rounds": None, "node_data": "auto"}
@@ -228,6 +241,26 @@ def run_seed(args: argparse.Namespace, seed: int, root: Path) -> dict[str, Any]:
     }
 
 
+def run_corpus_seed(
+    args: argparse.Namespace, corpus: Path, seed: int, root: Path
+) -> dict[str, Any]:
+    """:func:`run_seed` in ``root`` (one per corpus: its shards), and its lines printed."""
+    root.mkdir(parents=True, exist_ok=True)
+    run = run_seed(args, corpus, seed, root)
+    print(
+        f"\ntorchft DiLoCo on {quality.corpus_name(corpus)}, {args.nodes} replicas, H "
+        f"{args.inner_steps}, {args.steps} steps x batch {args.batch}, outer lr "
+        f"{args.outer_lr}, Nesterov momentum {args.outer_momentum}, seed {seed}"
+    )
+    print(" ".join(f"{s}:{v:.3f}" for s, v in sorted(run["curve"].items())))
+    print(
+        f"final global held-out loss {run['final_global']:.3f}; wall {run['wall_s']:.0f} s; "
+        f"load {run['load_average']['before']}",
+        flush=True,
+    )
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -239,40 +272,31 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.workdir or tempfile.mkdtemp(prefix="torchft_diloco_")).resolve()
     root.mkdir(parents=True, exist_ok=True)
     seeds = args.seeds or [args.seed]
-    runs = []
-    for seed in seeds:
-        run = run_seed(args, seed, root)
-        runs.append(run)
-        print(
-            f"\ntorchft DiLoCo {args.nodes} replicas, H {args.inner_steps}, {args.steps} steps x "
-            f"batch {args.batch}, outer lr {args.outer_lr}, Nesterov momentum "
-            f"{args.outer_momentum}, seed {seed}"
+    report: dict[str, Any] = {}
+    for corpus in args.corpus:
+        name = quality.corpus_name(corpus)
+        runs = [run_corpus_seed(args, corpus, seed, root / name) for seed in seeds]
+        finals = [run["final_global"] for run in runs]
+        if len(runs) > 1:
+            print(
+                f"\n{name}: final global over seeds {seeds}: min {min(finals):.3f}, median "
+                f"{statistics.median(finals):.3f}, max {max(finals):.3f}"
+            )
+        emit(
+            f"torchft_diloco.{name}.together.final_global",
+            finals,
+            unit="nats",
+            label=f"torchft 0.2.0 DiLoCo on {name}, {args.nodes} replicas, H "
+            f"{args.inner_steps}, {args.steps} steps x batch {args.batch}: final global "
+            "held-out loss",
+            method=f"one run per seed ({', '.join(map(str, seeds))}), {args.threads} thread(s) "
+            f"per replica, outer SGD lr {args.outer_lr} Nesterov {args.outer_momentum}",
         )
-        print(" ".join(f"{s}:{v:.3f}" for s, v in sorted(run["curve"].items())))
-        print(
-            f"final global held-out loss {run['final_global']:.3f}; wall {run['wall_s']:.0f} s; "
-            f"load {run['load_average']['before']}",
-            flush=True,
-        )
-    finals = [run["final_global"] for run in runs]
-    if len(runs) > 1:
-        print(
-            f"\nfinal global over seeds {seeds}: min {min(finals):.3f}, median "
-            f"{statistics.median(finals):.3f}, max {max(finals):.3f}"
-        )
-    emit(
-        "torchft_diloco.final_global",
-        finals,
-        unit="nats",
-        label=f"torchft 0.2.0 DiLoCo, {args.nodes} replicas, H {args.inner_steps}, "
-        f"{args.steps} steps x batch {args.batch}: final global held-out loss",
-        method=f"one run per seed ({', '.join(map(str, seeds))}), {args.threads} thread(s) "
-        f"per replica, outer SGD lr {args.outer_lr} Nesterov {args.outer_momentum}",
-    )
+        report[name] = runs[0] if len(runs) == 1 else {"runs": runs}
     if args.json is not None:
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-        only = runs[0] if len(runs) == 1 else {}
-        args.json.write_text(json.dumps({"settings": settings, **only, "runs": runs}, indent=2))
+        settings["corpus"] = [str(c) for c in args.corpus]
+        args.json.write_text(json.dumps({"settings": settings, "corpora": report}, indent=2))
     return 0
 
 

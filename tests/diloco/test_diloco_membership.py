@@ -16,8 +16,9 @@ from diloco_fakes import MemoryTransport, make_master, make_net
 from hub_emulator import HubEmulator
 from hub_fixtures import hub_fixture, transport  # noqa: F401
 
-from speedtronic_diloco.aggregation import AggregationRules, RoundPolicy
+from speedtronic_diloco.aggregation import AggregationRules
 from speedtronic_diloco.master.loop import MasterOuterLoop
+from speedtronic_diloco.master.round_policy import RoundPolicy
 from speedtronic_diloco.membership import Membership, announce_back, announce_left, left_reason
 from speedtronic_diloco.retry import RetryPolicy
 from speedtronic_diloco.status import collect_status
@@ -346,7 +347,12 @@ def test_a_run_leaves_with_its_last_step_and_why(tmp_path: Path) -> None:
 
     worker = tiny_run(
         tmp_path / "w",
-        distributed={"role": "worker", "node_id": "w", "repo_id": f"file://{tmp_path}/store"},
+        distributed={
+            "role": "worker",
+            "node_id": "w",
+            "repo_id": f"file://{tmp_path}/store",
+            "finished_run": "train_alone",  # the master ended first: this worker trains alone
+        },
         logging={"log_every": 1},
     )
     runtime = build_runtime(worker, console=False, hooks=[stop_at_6])

@@ -21,7 +21,6 @@ from speedtronic.errors import SpeedtronicError
 from speedtronic_diloco import aggregation
 from speedtronic_diloco.aggregation import (
     AggregationRules,
-    RoundPolicy,
     aggregate,
     inspect_delta,
     lower_median,
@@ -29,6 +28,7 @@ from speedtronic_diloco.aggregation import (
 )
 from speedtronic_diloco.master.history import history_steps, roll_back
 from speedtronic_diloco.master.loop import MasterOuterLoop
+from speedtronic_diloco.master.round_policy import RoundPolicy
 from speedtronic_diloco.signing import SignatureError, sign_file, verify_file
 from speedtronic_diloco.tensors import cpu_state_dict, load_tensors, save_tensors
 from speedtronic_diloco.transports import DeltaInfo, delta_path

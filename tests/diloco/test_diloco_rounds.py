@@ -409,14 +409,15 @@ def test_the_signing_key_is_in_no_file_a_run_writes(
         monkeypatch.setenv("SPEEDTRONIC_DILOCO_KEY", KEY)
         config = run_config(tmp_path)
     with caplog.at_level(logging.DEBUG):
-        runtime = build_runtime(config, console=False)
-        runtime.trainer.fit()
+        # The worker first: a worker started after its master finished uploads nothing.
         worker = build_runtime(
             run_config(tmp_path, role="worker", node_id="w", signing_key=KEY)
             | {"run": {**config["run"], "output_dir": str(tmp_path / "w")}},
             console=False,
         )
         worker.trainer.fit()
+        runtime = build_runtime(config, console=False)
+        runtime.trainer.fit()
     metadata = (tmp_path / "store" / "global" / "step_count.json").read_text()
     assert '"outer_step"' in metadata
     config_file = tmp_path / "run.yaml"

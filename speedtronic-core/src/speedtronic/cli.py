@@ -395,7 +395,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if debug:
                 raise
             print(f"error: {_one_line(exc)}", file=sys.stderr)
-            return EXIT_USER_ERROR
+            # A SpeedtronicError may name its own documented status (else 2).
+            status = getattr(exc, "exit_code", EXIT_USER_ERROR)
+            return status if isinstance(status, int) and 0 < status < 126 else EXIT_USER_ERROR
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             return 130

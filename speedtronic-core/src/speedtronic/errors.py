@@ -17,7 +17,13 @@ __all__ = [
 
 
 class SpeedtronicError(Exception):
-    """Base class of every error Speedtronic raises for a user-facing reason."""
+    """Base class of every error Speedtronic raises for a user-facing reason.
+
+    The ``speedtronic`` command prints one ``error: ...`` line for it and exits with
+    ``exit_code``: 2 (a user error) unless a subclass names its own documented status.
+    """
+
+    exit_code: int = 2
 
 
 class ConfigError(SpeedtronicError, ValueError):

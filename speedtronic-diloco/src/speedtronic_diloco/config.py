@@ -166,6 +166,13 @@ class DistributedConfig(Section):
         "store while it keeps training. A master whose lease another node took continues as "
         "a worker instead of stopping.",
     )
+    finished_run: Literal["stop", "train_alone"] = option(
+        "stop",
+        help="Worker: what to do on finding the run finished (its master released the lease "
+        "after its last step): `stop` says so in one line and exits with status 3, before the "
+        "first step when it joined a finished run; `train_alone` says so and trains on "
+        "without uploading or polling.",
+    )
     # --- rounds (issue 23, 29)
     rounds: Literal["async", "sync"] = option(
         "async",
@@ -255,6 +262,17 @@ class DistributedConfig(Section):
         help="Master: a round averaging fewer distinct nodes than this steps without outer "
         "momentum (plain SGD at outer_lr; the momentum buffer keeps its value), so a thin "
         "round is not amplified by the momentum of the full ones.",
+    )
+    outer_warmup: int = option(
+        8,
+        ge=0,
+        le=1_000_000,
+        help="Master: outer steps over which the outer step ramps from plain averaging (outer "
+        "lr 1, no momentum) to outer_lr and outer_momentum, linearly: round k of the first "
+        "outer_warmup uses lr 1 + t (outer_lr - 1) and momentum t outer_momentum with t = "
+        "(k - 1) / outer_warmup. From scratch, early pseudo-gradients are large and disagree; "
+        "momentum and a step other than 1 on them slowed the plateau exit (docs/diloco.md). "
+        "0: no warm-up.",
     )
     momentum_staleness: Literal["none", "inverse"] = option(
         "none",

@@ -55,7 +55,6 @@ from typing import Any
 
 from torch import nn
 
-from speedtronic.errors import SpeedtronicError
 from speedtronic_diloco.codecs import CodecSpec, ErrorFeedback
 from speedtronic_diloco.config import DistributedConfig, distributed_config, resolve_state_dir
 from speedtronic_diloco.fragments import FragmentBook, FragmentLayout, FragmentSchedule
@@ -65,9 +64,10 @@ from speedtronic_diloco.master.loop import MasterOuterLoop
 from speedtronic_diloco.node.boundary import OwnProgress, cut
 from speedtronic_diloco.node.context import NodeContext
 from speedtronic_diloco.node.failover import Failover
+from speedtronic_diloco.node.finished import FinishedWatch
 from speedtronic_diloco.node.install import Installer
 from speedtronic_diloco.node.lanes import Lane, Uploads, clear_pending
-from speedtronic_diloco.node.resume import PendingUpload
+from speedtronic_diloco.node.resume import PendingUpload, restore_node_state
 from speedtronic_diloco.node.rounds import await_round, join_run
 from speedtronic_diloco.node.state import NodeState, from_checkpoint, to_checkpoint
 from speedtronic_diloco.retry import RetryPolicy
@@ -164,6 +164,8 @@ class DumbDiLoCoCoordinator:
         self._upload_lane: Lane | None = None
         self._poll_lane: Lane | None = None
         self._due: tuple[int, ...] = ()  # the fragments that sync at the current step
+        #: Whether this worker's run finished (then it stops, or trains on alone).
+        self.finished = FinishedWatch(self.ctx, interval=self.config.lease_ttl)
 
     # ----------------------------------------------------------------- properties
     @property
@@ -213,6 +215,9 @@ class DumbDiLoCoCoordinator:
     def start(self) -> None:
         """Start the role's lifecycle (idempotent until :meth:`stop`)."""
         if self._started:
+            return
+        if self.role != "master" and self.finished.alone_now(now=True):
+            self._started = True  # trains alone: no lanes, no uploads
             return
         self._started = True
         self.ctx.stop = threading.Event()
@@ -343,6 +348,9 @@ class DumbDiLoCoCoordinator:
                 "DumbDiLoCo: after_optimizer_step got a different model than the coordinator "
                 "was built with"
             )
+        if self.finished.alone:
+            self.ctx.state.local_step = step
+            return False
         if self.failover is not None:  # may take over, or be fenced and go on as a worker
             self.outer = self.failover.step(self.outer)
         elif self.outer is not None:
@@ -351,6 +359,8 @@ class DumbDiLoCoCoordinator:
         pushed = loaded = False
         self._due = self.ctx.book.due(step)  # one fragment: (0,) when step % inner_steps == 0
         boundary = bool(self._due) or final
+        if boundary and not final and self.outer is None and self.finished.alone_now():
+            return False  # the run finished: this node trains alone from now on
         if boundary:
             base = self.ctx.state.last_global_step
             pushed = self._boundary_upload(step, final)
@@ -437,36 +447,8 @@ class DumbDiLoCoCoordinator:
         After start, a checkpointed baseline older than an installed global is not applied.
 
         Raises SpeedtronicError when the state was saved by another node id or role."""
-        ctx = self.ctx
-        saved = from_checkpoint(state, ctx.state)
-        if (saved.node_id and saved.node_id != self.node_id) or (
-            saved.role and saved.role != self.role
-        ):
-            raise SpeedtronicError(
-                f"this checkpoint's DumbDiLoCo state belongs to {saved.role} {saved.node_id!r}, "
-                f"but this process is {self.role} {self.node_id!r}: resume with the same "
-                "distributed.role and distributed.node_id, or start a fresh run (a new "
-                "run.output_dir) to join as this node"
-            )
-        with ctx.lock:
-            live = ctx.state
-            live.local_step = saved.local_step
-            live.last_uploaded_step = saved.last_uploaded_step
-            if self._started and saved.last_global_step < live.last_global_step:
-                log.info(
-                    "checkpointed baseline (outer step %d) is older than the installed "
-                    "global (outer step %d); keeping the newer one",
-                    saved.last_global_step,
-                    live.last_global_step,
-                )
-            elif saved.baseline:
-                live.baseline = saved.baseline
-                live.generation += 1
-                live.last_global_step = saved.last_global_step
-                if saved.pending is not None:
-                    live.pending = saved.pending
-                ctx.feedback.load_state_dict(saved.error_feedback)
-                ctx.book.load_state_dict(saved.fragments)
+        saved = from_checkpoint(state, self.ctx.state)
+        restore_node_state(self.ctx, saved, started=self._started)
         if saved.outer:
             if self.outer is not None:
                 self.outer.load_state_dict(saved.outer)

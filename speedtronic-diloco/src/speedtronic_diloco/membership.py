@@ -9,7 +9,7 @@
   gone, unless the store holds a delta of it with a local step past the record's last step
   (it came back before its record was deleted).
 * A node that sends no delta for ``lease_ttl`` seconds (or 2 x ``round_timeout`` when that is
-  shorter) is gone too (:class:`~speedtronic_diloco.aggregation.RoundPolicy`).
+  shorter) is gone too (:class:`~speedtronic_diloco.master.round_policy.RoundPolicy`).
 
 ``min_deltas`` (and the sync-round close rule) count live nodes only, so the master's rounds
 continue with the nodes that are alive. The record format and its checks are in
@@ -97,6 +97,9 @@ class Membership:
         self.records: dict[str, LeftRecord] = {}
         self._supported = isinstance(transport, MemberRecords)
         self._warned: set[str] = set()
+        #: Nodes known dead without a record (the master a standby replaced): node -> the
+        #: highest local step of theirs the store held then.
+        self._presumed: dict[str, int] = {}
 
     def refresh(self) -> dict[str, LeftRecord]:
         """Read the store's left records now; returns them (the previous ones on failure)."""
@@ -120,13 +123,23 @@ class Membership:
         self.records = dict(listing.records)
         return self.records
 
+    def presume_gone(self, node_id: str, last_step: int) -> None:
+        """Count ``node_id`` as gone without a record of its own (a master whose lease lapsed
+        died without writing one) until the store holds a delta of it past ``last_step``."""
+        self._presumed[node_id] = int(last_step)
+
     def gone(self, listing: Iterable[DeltaInfo]) -> set[str]:
-        """The nodes that left: a record, and no delta in ``listing`` (the store's) past its
-        last step."""
+        """The nodes that left: a record (or :meth:`presume_gone`), and no delta in
+        ``listing`` (the store's) past its last step."""
         records = self.refresh()
+        last = {node: record.last_step for node, record in records.items()}
+        for node, step in self._presumed.items():
+            last[node] = max(step, last.get(node, step))
         back = {
             info.node_id
             for info in listing
-            if info.node_id in records and info.local_step > records[info.node_id].last_step
+            if info.node_id in last and info.local_step > last[info.node_id]
         }
-        return set(records) - back
+        for node in back & set(self._presumed):  # alive after all (a fenced master, say)
+            del self._presumed[node]
+        return set(last) - back

@@ -348,13 +348,13 @@ def register_commands(subparsers: Any) -> None:
 
 
 def global_evaluator(trainer: Any, section: DistributedConfig) -> Any:
-    """``evaluate(global weights) -> loss`` for a master whose run has an evaluator
+    """``evaluate(global weights) -> loss`` for a master (or a standby) whose run has an evaluator
     (``distributed.eval_globals``, default on with eval), else None.
 
     The outer thread calls it on a CPU copy of the model (``copy.deepcopy`` once, here) over
     the evaluator's held-out micro-batches, read here on the training thread with the random
     generators restored afterwards, so training is not disturbed."""
-    if section.role != "master":
+    if section.role != "master" and not section.failover:  # a standby may become the master
         return None
     evaluator = trainer.evaluator
     wanted = section.eval_globals if section.eval_globals is not None else evaluator is not None

@@ -76,6 +76,8 @@ class RunStatus:
     #: Standby masters seen (``distributed.failover``): ``node_id``, ``announced_at``.
     standbys: list[dict[str, Any]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    #: The master ended after its last step (lease released, left record ``max_steps``).
+    finished: bool = False
 
     @property
     def age_s(self) -> float | None:
@@ -102,6 +104,7 @@ class RunStatus:
             "left": self.left,
             "standbys": self.standbys,
             "problems": self.problems,
+            "finished": self.finished,
             **({"fragment_files": self.fragment_files} if self.fragment_files else {}),
         }
 
@@ -165,6 +168,8 @@ def collect_status(transport: Any, now: float | None = None) -> RunStatus:
     status.store_bytes = _attempt(status, "store size", transport.store_bytes)
     status.nodes = _node_rows(metadata, listing, status.checked_at)
     _split_left(status, transport, listing)
+    done = [row for row in status.left if row["reason"] == "max_steps" and row["node_id"] == holder]
+    status.finished = bool(done) and lease is not None and lease.released
     return status
 
 
@@ -339,6 +344,9 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+FINISHED = "finished: the master ended after its last step"
+
+
 def summary_lines(status: RunStatus) -> list[str]:
     """The lines above the node table."""
     lease = status.lease
@@ -363,6 +371,7 @@ def summary_lines(status: RunStatus) -> list[str]:
         f"eval loss    {_cell(status.eval_loss)}",
         f"last round   {_round_line(status.last_round) if status.last_round else DASH}",
         f"lease        {holder}",
+        f"run          {FINISHED if status.finished else 'not finished'}",
         f"standbys     {_standbys(status) or DASH}",
         f"store size   {_size(status.store_bytes)}",
     ]

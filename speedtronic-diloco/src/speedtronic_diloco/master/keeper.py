@@ -176,6 +176,11 @@ class OuterStateKeeper:
         with self._lock:
             return key in self.state.processed
 
+    def known_nodes(self) -> dict[str, int]:
+        """Every node of the processed-delta ledger and its highest processed local step."""
+        with self._lock:
+            return {node: record.high for node, record in self.state.processed.nodes.items()}
+
     def snapshot(self) -> tuple[int, TensorDict] | None:
         """``(outer_step, global weights)`` under the lock, or None before any state exists."""
         with self._lock:

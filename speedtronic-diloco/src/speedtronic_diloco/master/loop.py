@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from speedtronic.errors import SpeedtronicError
-from speedtronic_diloco.aggregation import AggregationRules, RoundDecision, RoundPolicy
+from speedtronic_diloco.aggregation import AggregationRules
 from speedtronic_diloco.fragments import FragmentLayout
 from speedtronic_diloco.ledger import Housekeeper, Verdict
 from speedtronic_diloco.master.intake import Fetched, Intake, Intaken, Refused
@@ -34,6 +34,7 @@ from speedtronic_diloco.master.keeper import OuterStateKeeper
 from speedtronic_diloco.master.publish import Publication, Publisher
 from speedtronic_diloco.master.report import Emit, Reporter
 from speedtronic_diloco.master.round import OuterPolicy, RoundResult, guarded, run_round
+from speedtronic_diloco.master.round_policy import RoundDecision, RoundPolicy
 from speedtronic_diloco.membership import Membership
 from speedtronic_diloco.retry import RetryPolicy
 from speedtronic_diloco.tensors import TensorDict

@@ -50,6 +50,7 @@ __all__ = [
     "nesterov_step",
     "round_momentum",
     "run_round",
+    "warmed",
 ]
 
 log = logging.getLogger("speedtronic.diloco.outer")
@@ -176,6 +177,16 @@ def round_momentum(momentum: float, contributions: Sequence[Any], rule: str) -> 
     return momentum / (1.0 + mean)
 
 
+def warmed(lr: float, momentum: float, completed: int, warmup: int) -> tuple[float, float]:
+    """The outer ``(lr, momentum)`` of the round after ``completed`` outer steps under
+    ``outer_warmup: warmup``: plain averaging (1, 0) first, then linearly to ``(lr,
+    momentum)``, reached at round ``warmup + 1``."""
+    if warmup <= 0 or completed >= warmup:
+        return lr, momentum
+    t = max(0, completed) / warmup
+    return 1.0 + t * (lr - 1.0), t * momentum
+
+
 def guarded(
     evaluate: Callable[[TensorDict], float] | None,
 ) -> Callable[[TensorDict], float | None] | None:
@@ -220,7 +231,8 @@ def run_round(
     refused.extend((delta.info, Rejection.of(why)) for delta, why in late)
     contributions = [c for group in groups.values() for c in group]
     candidate: tuple[TensorDict, TensorDict] | None = None
-    full, momentum = True, policy.outer_momentum
+    lr, configured = warmed(policy.outer_lr, policy.outer_momentum, base, rules.outer_warmup)
+    full, momentum = True, configured
     problem: str | None = None
     eval_loss: float | None = None
     if contributions:
@@ -237,10 +249,10 @@ def run_round(
         # A thin round (few nodes) moves the global by its own pseudo-gradient only: under
         # momentum one node's noisy delta would keep pushing for the rounds after it.
         full = len({c.node_id for c in contributions}) >= rules.momentum_min_nodes
-        momentum = round_momentum(policy.outer_momentum, contributions, rules.momentum_staleness)
+        momentum = round_momentum(configured, contributions, rules.momentum_staleness)
 
         def step(params: TensorDict, g: TensorDict, m: TensorDict) -> tuple[TensorDict, TensorDict]:
-            return nesterov_step(params, g, m, policy.outer_lr, momentum, use_momentum=full)
+            return nesterov_step(params, g, m, lr, momentum, use_momentum=full)
 
         params, buffers, _ = step_fragments(
             step, floating_only(reference), grads, state.momentum, [0] * book.count

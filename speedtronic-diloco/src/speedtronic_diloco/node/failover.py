@@ -1,6 +1,6 @@
 """A node's part in fail-over (``distributed.failover: true``): the standby watch of a worker
-(:mod:`speedtronic_diloco.standby`), the take-over (the outer loop built in the watch's thread
-from the outer state the store keeps, then started by the training thread, which emits
+(:mod:`speedtronic_diloco.standby`), the take-over (the outer loop built and started in the watch's
+thread from the outer state the store keeps; the training thread then emits
 ``master_takeover``), and a fenced master going on as a worker.
 
 The node keeps training through all of it: its deltas go through the store to whichever
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from speedtronic_diloco.master.loop import MasterOuterLoop
     from speedtronic_diloco.node.context import NodeContext
 
-__all__ = ["Failover"]
+__all__ = ["Failover", "succeed"]
 
 log = logging.getLogger("speedtronic.diloco")
 
@@ -39,7 +39,7 @@ class Failover:
         config = ctx.config
         self.interval = config.poll_interval
         self.standby = Standby(ctx.transport, ctx.node_id, ttl=config.lease_ttl, retry=ctx.retry)
-        self._ready: tuple[MasterOuterLoop, Takeover] | None = None
+        self._ready: tuple[MasterOuterLoop, Takeover, int] | None = None
         self._lock = threading.Lock()
         self._announced = False
 
@@ -49,9 +49,14 @@ class Failover:
         self.standby.start(self.interval, self._won)
 
     def _won(self, takeover: Takeover) -> None:
-        """In the watch thread: build the master on the won lease."""
+        """In the watch thread: build the master on the won lease and start its rounds."""
         try:
             outer = self.build_master(takeover.keeper)
+            succeed(outer, takeover.previous_master)
+            at = outer.outer_step  # the step taken over (its rounds start right away)
+            # Started here, not at the next training step: a node waiting at a sync
+            # boundary may not take one for 2 x round_timeout, and the run's rounds are ours.
+            outer.start(self.interval)
         except Exception as exc:  # the lease lapses again and another standby takes it
             log.error(
                 "standby %r: taking over failed (%s); giving the lease up", self.ctx.node_id, exc
@@ -60,7 +65,7 @@ class Failover:
             self.watch()
             return
         with self._lock:
-            self._ready = (outer, takeover)
+            self._ready = (outer, takeover, at)
 
     def step(self, outer: MasterOuterLoop | None) -> MasterOuterLoop | None:
         """At each training step: the outer loop this node runs from now on (None: a worker).
@@ -82,11 +87,10 @@ class Failover:
             ready, self._ready = self._ready, None
         if ready is None:
             return None
-        outer, takeover = ready
-        outer.start(self.interval)
+        outer, takeover, at = ready
         fields: dict[str, Any] = {
             "previous_master": takeover.previous_master,
-            "outer_step": outer.outer_step,
+            "outer_step": at,
             "epoch": takeover.epoch,
             "lapsed_for_s": round(takeover.lapsed_for_s, 3),
         }
@@ -95,7 +99,7 @@ class Failover:
             self.ctx.node_id,
             takeover.previous_master,
             takeover.epoch,
-            outer.outer_step,
+            at,
         )
         self.ctx.queue_event("master_takeover", fields)
         return outer
@@ -104,9 +108,25 @@ class Failover:
         self.standby.announce(self.ctx.state_root / "standby")
 
     def stop(self) -> None:
-        """Stop watching; a take-over built but never started gives its lease up."""
+        """Stop watching; a take-over the training thread never picked up stops its rounds
+        and gives its lease up."""
         self.standby.stop()
         with self._lock:
             ready, self._ready = self._ready, None
         if ready is not None:
+            ready[0].stop()
             ready[1].keeper.release()
+
+
+def succeed(outer: MasterOuterLoop, previous_master: str | None) -> None:
+    """Before a successor's loop starts: the nodes of the store's ledger are the run's (its
+    first rounds are over, so ``min_deltas`` waits for no one to arrive), and the master it
+    replaced is gone until it uploads a delta past those the store holds now. Without this the
+    dead master counted as live and every round waited ``round_timeout`` for it."""
+    known = outer.known_nodes()
+    outer.policy.known(known)
+    if previous_master is None or previous_master == outer.node_id:
+        return
+    listing = outer.intake.list_deltas() or []
+    steps = [i.local_step for i in listing if i.node_id == previous_master]
+    outer.membership.presume_gone(previous_master, max([*steps, known.get(previous_master, -1)]))

@@ -15,8 +15,10 @@ from pathlib import Path
 
 from torch import nn
 
+from speedtronic.errors import SpeedtronicError
 from speedtronic_diloco.codecs import CodecError, decode_delta
 from speedtronic_diloco.node.context import NodeContext
+from speedtronic_diloco.node.state import NodeState
 from speedtronic_diloco.tensors import (
     TensorDict,
     TensorFileError,
@@ -25,9 +27,44 @@ from speedtronic_diloco.tensors import (
     load_tensors,
 )
 
-__all__ = ["PendingUpload"]
+__all__ = ["PendingUpload", "restore_node_state"]
 
 log = logging.getLogger("speedtronic.diloco")
+
+
+def restore_node_state(ctx: NodeContext, saved: NodeState, *, started: bool) -> None:
+    """Take a checkpoint's node state (``saved``) into ``ctx``: its counters, and its baseline
+    (with the pending upload, error feedback and fragment schedule) unless this node already
+    installed a newer global (``started``). Raises SpeedtronicError when the state was saved by
+    another node id or role."""
+    if (saved.node_id and saved.node_id != ctx.node_id) or (
+        saved.role and saved.role != ctx.state.role
+    ):
+        raise SpeedtronicError(
+            f"this checkpoint's DumbDiLoCo state belongs to {saved.role} {saved.node_id!r}, "
+            f"but this process is {ctx.state.role} {ctx.node_id!r}: resume with the same "
+            "distributed.role and distributed.node_id, or start a fresh run (a new "
+            "run.output_dir) to join as this node"
+        )
+    with ctx.lock:
+        live = ctx.state
+        live.local_step = saved.local_step
+        live.last_uploaded_step = saved.last_uploaded_step
+        if started and saved.last_global_step < live.last_global_step:
+            log.info(
+                "checkpointed baseline (outer step %d) is older than the installed "
+                "global (outer step %d); keeping the newer one",
+                saved.last_global_step,
+                live.last_global_step,
+            )
+        elif saved.baseline:
+            live.baseline = saved.baseline
+            live.generation += 1
+            live.last_global_step = saved.last_global_step
+            if saved.pending is not None:
+                live.pending = saved.pending
+            ctx.feedback.load_state_dict(saved.error_feedback)
+            ctx.book.load_state_dict(saved.fragments)
 
 
 class PendingUpload:

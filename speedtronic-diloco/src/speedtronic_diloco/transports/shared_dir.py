@@ -1,6 +1,7 @@
 """A DumbDiLoCo store in a plain directory: one machine, or a network filesystem.
 
-**Publication** is atomic. The weights are first written under an immutable version name
+**Publication** is atomic. The lease is checked first (a fenced master writes nothing), then
+the weights are written under an immutable version name
 (``global/v<outer_step>-<sha12>.safetensors``: temp file, fsync, rename). Then, under the store's
 exclusive lock, the lease in ``global/lease.json`` is checked against the publication's holder
 and epoch (the fence; see :mod:`speedtronic_diloco.lease`), ``global/latest.safetensors`` is
@@ -341,6 +342,7 @@ class SharedDirectoryTransport(SharedDirMembers, _SideFiles, Transport):
 
     def _publish(self, weights: Path, metadata: GlobalMetadata) -> GlobalMetadata:
         version = f"global/v{metadata.outer_step:08d}-{metadata.sha256[:12]}.safetensors"
+        self._fence_publication(metadata)  # a fenced master writes no file at all (unlocked)
         write_verified(
             _local_chunks(Path(weights)),
             self.root / version,
@@ -368,6 +370,7 @@ class SharedDirectoryTransport(SharedDirMembers, _SideFiles, Transport):
         self, files: Mapping[int, Path], metadata: GlobalMetadata
     ) -> GlobalMetadata:
         names = {}
+        self._fence_publication(metadata)  # as in _publish: no files from a fenced master
         for index, source in sorted(files.items()):
             entry = metadata.fragment_files[index]
             name = fragment_file_name(index, entry)
