@@ -1,14 +1,14 @@
-"""Issue 29's end-to-end check: three real `speedtronic train` nodes (a master and two workers
-on a shared directory, `rounds: sync`) trained on real English text end with a global whose
-held-out loss is below that of one node alone with the same batch and steps. The text is
-Pride and Prejudice as committed in `benchmarks/data/` (it never changes; an earlier version of
-this test read the repository's docs, and every docs edit moved its result); the run is
-`benchmarks/diloco_quality.py` at a small size, references included. The size is where the
-claim holds by a margin: with H 25 the global leads one node from about step 75 on; with H 10,
-or on a 200 KB excerpt of the novel, it trailed one node for hundreds of steps (docs/diloco.md,
-"The e2e tests' size"). (Async rounds have no such test: at sizes a test can afford their
-margin over one node did not hold in every run; see docs/diloco.md, "An async e2e test: not
-robust at test size".)"""
+"""Issues 29 and 40's end-to-end check: three real `speedtronic train` nodes (a master and two
+workers on a shared directory, configs/diloco.yaml as shipped: `rounds: sync`, `outer_warmup`),
+the workers started once the master's first global exists, trained on real English text, end
+with a global whose held-out loss is below that of one node alone with the same batch and
+steps. The text is Pride and Prejudice as committed in `benchmarks/data/` (it never changes);
+the run is `benchmarks/diloco_quality.py` at a small size, references included. Sync rounds are
+deterministic (every round holds the same three deltas whatever the machine's speed), so the
+margin does not depend on load; it does depend on the CPU's floating-point kernels: without the
+outer warm-up this size ended 2.326 against one node's 2.320 on one machine and 2.158 against
+2.322 on another (docs/diloco.md, "The outer warm-up"). (Async rounds have no such test: see
+docs/diloco.md, "An async e2e test: not robust at test size".)"""
 
 from __future__ import annotations
 
@@ -41,12 +41,17 @@ def quality_run(tmp_path: Path, *options: str) -> tuple[dict[str, Any], str]:
     return json.loads(summary.read_text())["summary"], done.stdout
 
 
-def test_three_nodes_on_real_text_end_below_one_node_alone(tmp_path: Path) -> None:
+def test_three_nodes_started_as_a_user_starts_them_end_below_one_node_alone(
+    tmp_path: Path,
+) -> None:
+    """configs/diloco.yaml as shipped (sync rounds, min_deltas 3, the outer warm-up), the master
+    first and the workers once its first global exists (issue 40's user start). The
+    round_timeout override only keeps a loaded machine from closing a round early: every
+    round must hold all three nodes."""
     totals, output = quality_run(
         tmp_path,
-        *("--inner-steps", "25", "--steps", "200", "--rounds", "sync"),
-        *("--set", "distributed.poll_interval=0.2", "--set", "distributed.min_deltas=3"),
-        *("--set", "distributed.round_timeout=120"),
+        *("--inner-steps", "25", "--steps", "200", "--stagger-after-outer", "0"),
+        *("--set", "distributed.poll_interval=0.2", "--set", "distributed.round_timeout=120"),
     )
     assert math.isfinite(totals["final_global"]), totals
     # Every round averaged all three nodes, each from the global of the round before.
