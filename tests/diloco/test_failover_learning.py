@@ -224,3 +224,31 @@ def test_a_fenced_master_writes_nothing_a_node_reads(store: Store, tmp_path: Pat
         for node in (m1, w, m2):
             if node is not None:
                 node.stop()
+
+
+def test_a_sync_worker_whose_master_finished_stops_waiting(tmp_path: Path) -> None:
+    """Issue 40: after its master's last round a sync worker used to wait 2 x round_timeout at
+    each of its remaining boundaries; now it finds the run finished while it waits. With
+    round_timeout 60 s and a worker that would train a million steps, only that look ends it
+    within this wait (each boundary's wait would otherwise be 120 s)."""
+    store = shared_store(tmp_path)
+    config = config_file(tmp_path, store)
+    sync = ("--set", "distributed.rounds=sync", "--set", "distributed.min_deltas=2")
+    # The master's own end-of-run wait for the worker's final delta is its round_timeout: 2 s.
+    short = ("--set", "distributed.round_timeout=2", "--set", "run.max_steps=100")
+    master = Master(tmp_path, config, "m", *sync, *short)
+    worker: Master | None = None
+    try:
+        wait_until(lambda: store.metadata() is not None, "m's first global", master)
+        worker = Master(
+            tmp_path, config, "w", *WORKER, *sync, "--set", "distributed.round_timeout=60"
+        )
+        assert master.process.wait(WAIT) == 0, master.tail()
+        assert worker.process.wait(WAIT) == EXIT_RUN_FINISHED, worker.tail()
+        assert worker.events("delta_uploaded"), "the worker trained in the run before it ended"
+        assert not worker.events("round_wait_timeout")
+        assert "is finished" in worker.log.read_text(errors="replace")
+    finally:
+        for node in (master, worker):
+            if node is not None:
+                node.stop()

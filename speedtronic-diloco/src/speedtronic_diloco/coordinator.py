@@ -64,7 +64,7 @@ from speedtronic_diloco.master.loop import MasterOuterLoop
 from speedtronic_diloco.node.boundary import OwnProgress, cut
 from speedtronic_diloco.node.context import NodeContext
 from speedtronic_diloco.node.failover import Failover
-from speedtronic_diloco.node.finished import FinishedWatch
+from speedtronic_diloco.node.finished import FinishedWatch, finished_interval
 from speedtronic_diloco.node.install import Installer
 from speedtronic_diloco.node.lanes import Lane, Uploads, clear_pending
 from speedtronic_diloco.node.resume import PendingUpload, restore_node_state
@@ -165,7 +165,7 @@ class DumbDiLoCoCoordinator:
         self._poll_lane: Lane | None = None
         self._due: tuple[int, ...] = ()  # the fragments that sync at the current step
         #: Whether this worker's run finished (then it stops, or trains on alone).
-        self.finished = FinishedWatch(self.ctx, interval=self.config.lease_ttl)
+        self.finished = FinishedWatch(self.ctx, interval=finished_interval(self.config))
 
     # ----------------------------------------------------------------- properties
     @property
@@ -373,7 +373,10 @@ class DumbDiLoCoCoordinator:
                     self._due,
                     self.outer,
                     self._poll_lane,
+                    finished=lambda: self.outer is None and self.finished.look() is not None,
                 )
+                if self.outer is None and self.finished.alone_now():
+                    return False  # the master finished while this node waited (stop raised)
         install = not final and (boundary or self.config.install_at == "any")
         if install:
             loaded = self.installer.install_ready(self.model, self._due)

@@ -14,8 +14,9 @@ What a worker does then is ``distributed.finished_run``:
   joined a finished run, at its next look when the master finished first;
 * ``train_alone``: the same line, then the node trains on with no uploads and no polls.
 
-A worker looks at start and then at its inner-loop boundaries, at most once per
-``lease_ttl`` (one lease read; the left records only once the lease is released).
+A worker looks at start, then at its inner-loop boundaries and while a sync boundary waits for
+its round's global, at most once per :func:`finished_interval` (one lease read; the left
+records only once the lease is released).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from speedtronic.errors import SpeedtronicError, TransportError
 from speedtronic_diloco.retry import RetryPolicy
@@ -35,12 +36,26 @@ from speedtronic_diloco.transports.members import MemberRecords
 if TYPE_CHECKING:
     from speedtronic_diloco.node.context import NodeContext
 
-__all__ = ["EXIT_RUN_FINISHED", "FinishedRun", "FinishedWatch", "RunFinishedError", "run_finished"]
+__all__ = [
+    "EXIT_RUN_FINISHED",
+    "FinishedRun",
+    "FinishedWatch",
+    "RunFinishedError",
+    "finished_interval",
+    "run_finished",
+]
 
 log = logging.getLogger("speedtronic.diloco")
 
 EXIT_RUN_FINISHED = 3
 """The exit status of ``speedtronic train`` on a worker that found its run finished."""
+
+
+def finished_interval(config: Any) -> float:
+    """Seconds between a worker's looks: 10 (at least ``poll_interval``, at most
+    ``lease_ttl``), so a sync worker whose master finished waits about that long, not
+    2 x ``round_timeout`` at each remaining boundary."""
+    return max(config.poll_interval, min(config.lease_ttl, 10.0))
 
 
 @dataclass(frozen=True)

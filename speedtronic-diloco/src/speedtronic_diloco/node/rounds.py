@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -60,11 +61,14 @@ def await_round(
     due: tuple[int, ...],
     outer: Any,
     poll_lane: Lane | None,
+    finished: Callable[[], bool] | None = None,
 ) -> bool:
     """Right after this node delivered its delta computed from global ``base``: wait for a
     newer global (the round's, or a later one when the round closed without this node) and
     install it; True when one was installed. ``outer`` is the master's outer loop (None on a
-    worker, which fetches through ``poll_lane`` when it has one)."""
+    worker, which fetches through ``poll_lane`` when it has one). ``finished()`` True (the run
+    finished: :mod:`~speedtronic_diloco.node.finished`) ends the wait at once: no global will
+    come."""
     started = time.monotonic()
     deadline = started + 2 * ctx.config.round_timeout
     while True:
@@ -89,6 +93,8 @@ def await_round(
                 step = ctx.state.last_global_step
             ctx.queue_event("round_waited", {"outer_step": step, "waited_s": waited})
             return installed
+        if finished is not None and finished():
+            return False
         if time.monotonic() >= deadline or ctx.stop.wait(_interval(ctx)):
             break
     waited = time.monotonic() - started
