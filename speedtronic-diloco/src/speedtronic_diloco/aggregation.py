@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from speedtronic_diloco.round_mode import round_mode
 from speedtronic_diloco.signing import SignatureError, verify_file
 from speedtronic_diloco.tensors import (
     TensorDict,
@@ -341,10 +342,10 @@ def screen_round(
     Returns ``(contributions, rejected, threshold)``."""
     rejected: list[tuple[CheckedDelta, DeltaRejected]] = []
     by_node: dict[str, list[CheckedDelta]] = {}
-    sync = rules.rounds == "sync"
+    refuses_late = round_mode(rules.rounds).refuses_late
     for delta in deltas:
         staleness = delta.staleness(outer_step)
-        if sync and staleness > 0:
+        if refuses_late and staleness > 0:
             # Its round closed without it (round_timeout): the node installs the newest
             # global and is back in the next round; applying it now would apply a stale step.
             why = (

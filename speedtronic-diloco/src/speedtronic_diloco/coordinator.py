@@ -71,6 +71,7 @@ from speedtronic_diloco.node.resume import PendingUpload, restore_node_state
 from speedtronic_diloco.node.rounds import await_round, join_run
 from speedtronic_diloco.node.state import NodeState, from_checkpoint, to_checkpoint
 from speedtronic_diloco.retry import RetryPolicy
+from speedtronic_diloco.round_mode import round_mode
 from speedtronic_diloco.signing import resolve_key
 from speedtronic_diloco.startup import prepare_master
 from speedtronic_diloco.tensors import TensorDict, cpu_state_dict
@@ -147,7 +148,8 @@ class DumbDiLoCoCoordinator:
         self.failover = Failover(self.ctx, self._master_loop) if self.config.failover else None
         # With sync rounds a node installs the global its delta went into: nothing of its own
         # is missing from it (a node dropped from a round takes the newest global as it is).
-        keep = self.config.keep_own_progress and self.config.rounds == "async"
+        self.round_mode = round_mode(self.config.rounds)
+        keep = self.config.keep_own_progress and self.round_mode.keeps_own_progress
         own = OwnProgress(
             self.ctx.book.own_progress(keep and self.config.install_at == "boundary"),
             self.config.own_progress_scale or min(self.config.outer_lr, 1.0),
@@ -364,7 +366,7 @@ class DumbDiLoCoCoordinator:
         if boundary:
             base = self.ctx.state.last_global_step
             pushed = self._boundary_upload(step, final)
-            if pushed and not final and self.config.rounds == "sync":
+            if pushed and not final and self.round_mode.waits_at_boundary:
                 loaded = await_round(
                     self.ctx,
                     self.installer,
@@ -390,7 +392,7 @@ class DumbDiLoCoCoordinator:
     def _boundary_upload(self, step: int, final: bool = False) -> bool:
         lane = self._upload_lane
         # The last delta is never skipped, nor any with sync rounds (the round waits for it).
-        if lane is not None and lane.busy and (final or self.config.rounds == "sync"):
+        if lane is not None and lane.busy and (final or self.round_mode.waits_at_boundary):
             lane.wait_idle(self.config.round_timeout)
         if lane is not None and lane.busy:
             log.info("step %d: previous delta upload still in flight; skipping this one", step)

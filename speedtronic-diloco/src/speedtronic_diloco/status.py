@@ -36,6 +36,7 @@ from typing import Any
 
 from speedtronic.cli import add_set_option, load_config
 from speedtronic.errors import ConfigError, TransportError
+from speedtronic_diloco.round_mode import ROUND_MODES
 from speedtronic_diloco.timestamps import format_utc
 
 __all__ = [
@@ -252,7 +253,7 @@ def _last_round(entry: Any) -> dict[str, Any] | None:
     if not isinstance(entry, dict):
         return None
     out: dict[str, Any] = {}
-    if entry.get("mode") in ("sync", "async"):
+    if entry.get("mode") in ROUND_MODES:
         out["mode"] = entry["mode"]
     nodes = entry.get("nodes")
     if isinstance(nodes, list) and all(isinstance(n, str) for n in nodes):

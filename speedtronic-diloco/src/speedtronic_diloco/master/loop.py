@@ -196,7 +196,7 @@ class MasterOuterLoop(OuterStateKeeper):
             if listing is None:
                 return None
             new = self._prefetch(listing, abort)
-            decision = _decide(self.intake, self.policy, new, self.outer_step, self.rules.rounds)
+            decision = _decide(self.intake, self.policy, new, self.outer_step)
             if not decision.go:
                 return None
             result = self._round(abort, listing, decision, waiting=True)
@@ -447,13 +447,9 @@ class MasterOuterLoop(OuterStateKeeper):
 
 
 def _decide(
-    intake: Intake, policy: RoundPolicy, new: list[DeltaInfo], current: int, rounds: str
+    intake: Intake, policy: RoundPolicy, new: list[DeltaInfo], current: int
 ) -> RoundDecision:
-    """The round policy's decision over the new deltas ``new`` at outer step ``current``."""
-    failing = policy.failing()
-    if rounds == "sync":
-        # Only deltas of the open round start its clock and count; late ones are refused
-        # when it runs.
-        fresh = intake.fresh(new, current, failing)
-        return policy.decide(fresh, fresh)
-    return policy.decide((i.node_id for i in new), intake.quorum(new, current, failing))
+    """The round policy's decision over the new deltas ``new`` at outer step ``current``
+    (what counts is the policy's round mode's: :mod:`~speedtronic_diloco.round_mode`)."""
+    pending, quorum = policy.mode.round_inputs(intake, new, current, policy.failing())
+    return policy.decide(pending, quorum)

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from speedtronic_diloco.aggregation import AggregationRules
+from speedtronic_diloco.round_mode import round_mode
 
 __all__ = ["RoundDecision", "RoundPolicy"]
 
@@ -55,6 +56,7 @@ class RoundPolicy:
     ) -> None:
         self.min_deltas = min_deltas
         self.rounds = rounds
+        self.mode = round_mode(rounds)
         self._ever: set[str] = set()  # every node seen since the start
         self.round_timeout = round_timeout
         self.recent_s = recent_s if recent_s is not None else 2 * round_timeout
@@ -104,13 +106,9 @@ class RoundPolicy:
         until that many nodes were ever seen; from then on at most the live nodes (seen within
         ``recent_s``, not left, last delta not rejected), so that a node that ended or died
         stops costing a ``round_timeout`` per round. ``rounds: sync``: every live node."""
-        live = len(self.recent_nodes())
         floor = self.min_deltas or 1
-        if len(self._ever) < floor:
-            return max(live, floor) if self.rounds == "sync" else floor
-        if self.rounds == "sync" or self.min_deltas is None:
-            return max(1, live)
-        return max(1, min(self.min_deltas, live))
+        arrived = len(self._ever) >= floor
+        return self.mode.needed(len(self.recent_nodes()), floor, arrived, self.min_deltas)
 
     def waited(self) -> float:
         return 0.0 if self._since is None else self.clock() - self._since

@@ -19,6 +19,7 @@ from torch import nn
 from speedtronic_diloco.node.context import NodeContext
 from speedtronic_diloco.node.install import Installer
 from speedtronic_diloco.node.lanes import Lane
+from speedtronic_diloco.round_mode import round_mode
 
 __all__ = ["SYNC_POLL_S", "await_first_global", "await_round", "join_run"]
 
@@ -118,7 +119,7 @@ def join_run(ctx: NodeContext, installer: Installer, model: nn.Module) -> None:
         ctx.stop,
         then="training on local weights",
     )
-    if read and metadata is None and ctx.config.rounds == "sync":
+    if read and metadata is None and round_mode(ctx.config.rounds).waits_for_first_global:
         metadata = await_first_global(ctx)
     if read and metadata is None:
         log.info("no global weights published yet; training on local weights")
