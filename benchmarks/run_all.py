@@ -114,6 +114,9 @@ BENCHMARKS: list[Benchmark] = [
     # benchmarks/data/): {together, staggered 10 s, one node 2x slower} x {both round modes}.
     # Sync cells that stall at round_timeout take minutes each, hence the long timeout.
     Benchmark("diloco_quality", quick=("--matrix",), full=("--matrix",), timeout_s=14400),
+    # The CPU time-per-step estimate against measured steps: smoke, and reference-small with
+    # one micro-batch per step in quick mode (a few minutes on one core).
+    Benchmark("step_estimate"),
 ]
 
 

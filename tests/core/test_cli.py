@@ -94,6 +94,16 @@ def test_validate_applies_overrides(site: Path, tmp_path: Path) -> None:
     assert shown["compile"]["enabled"] is True
 
 
+def test_validate_prints_the_time_per_step_estimate(site: Path, tmp_path: Path) -> None:
+    config = write_config(tmp_path)
+    result = run_cli("validate", "-c", str(config), env=plugin_env(site))
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("time per step")]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("time per step (estimate): about ")
+    assert " per step on this CPU (" in lines[0] and "matmul FLOPs at a measured" in lines[0]
+
+
 # ---------------------------------------------------------------- train
 
 

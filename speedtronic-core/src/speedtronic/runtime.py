@@ -29,6 +29,7 @@ from speedtronic.plugins import get_plugin_manager
 from speedtronic.preflight import check_before_building
 from speedtronic.registry import build_model_from_hook, import_factory
 from speedtronic.shape_advice import warn_shape_advice
+from speedtronic.step_estimate import estimate_config_step
 from speedtronic.threads import apply_threads
 from speedtronic.trainer import Trainer, TrainResult
 
@@ -127,7 +128,8 @@ def check_runtime(config: Any, world_size: int = 1) -> str:
     allocated), its data and eval data against the model's limits, a ``data.dataset`` factory's
     import path, ``parallel.fsdp.units``. Raises the same one-line errors ``train`` would;
     returns a short summary, with the per-rank state memory of ``ddp`` and ``fsdp`` on
-    ``world_size`` ranks."""
+    ``world_size`` ranks and the estimated time per step on this CPU
+    (:func:`speedtronic.step_estimate.estimate_config_step`)."""
     config = SpeedtronicConfig.load(config)
     with torch.device("meta"):
         model = build_model_from_hook(config.model.name, **config.model.params)
@@ -144,7 +146,8 @@ def check_runtime(config: Any, world_size: int = 1) -> str:
 
         source = build_eval_source(config, **limits)
         data_text += f"; eval: {getattr(source, 'description', type(source).__name__)}"
-    return f"model {config.model.name}: {parameters:,} parameters; data: {data_text}\n{memory}"
+    summary = f"model {config.model.name}: {parameters:,} parameters; data: {data_text}"
+    return f"{summary}\n{memory}\n{estimate_config_step(config, model, world_size)}"
 
 
 def memory_report(model: nn.Module, config: SpeedtronicConfig, world_size: int) -> str:

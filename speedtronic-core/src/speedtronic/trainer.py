@@ -35,6 +35,7 @@ from speedtronic.parts import TrainingParts, build_parts
 from speedtronic.plugins import call_each
 from speedtronic.profiling import StepProfiler, build_profiler
 from speedtronic.state_checks import STATE_FORMAT, check_trainer_state, state_mismatch
+from speedtronic.step_estimate import StepEstimate, announce_long_steps
 from speedtronic.stopping import StopRequest, StopSignals
 from speedtronic.threads import ThreadGovernor
 from speedtronic.train_step import MAX_CONSECUTIVE_SKIPS, TrainStep
@@ -177,6 +178,8 @@ class Trainer(TrainerState, TrainStep):
         self._nan_steps = torch.zeros((), dtype=torch.int64)
         # Counted at train start (speedtronic.flops); the profiler window, when configured.
         self.flops = FlopsReport(parameters=0)
+        # A CPU run's estimated time per step (speedtronic.step_estimate), when one was made.
+        self.step_estimate: StepEstimate | None = None
         self.profiler: StepProfiler | None = None
         # run.threads: auto following the machine's load while training (CPU runs).
         self.threads: ThreadGovernor | None = None
@@ -248,6 +251,7 @@ class Trainer(TrainerState, TrainStep):
         try:
             self.plugin_manager.hook.on_train_start(trainer=self)
             self.flops = measure_run_flops(self)
+            self.step_estimate = announce_long_steps(self)  # a long CPU step: said now
             self.profiler = build_profiler(
                 self.config.profile,
                 self.config.output_dir,
