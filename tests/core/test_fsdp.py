@@ -247,7 +247,7 @@ def test_sharded_saves_keep_the_managers_policy_retention_best_and_lock(tmp_path
     )
     trainer = Trainer.from_parts(parts)
     trainers.append(trainer)
-    assert isinstance(trainer.checkpoints.sharded_writer, ShardedWriter)
+    assert isinstance(trainer.checkpoints.writer, ShardedWriter)
     result = trainer.fit()
     assert result.stopped and result.steps == 10
     directory = tmp_path / "checkpoints"
@@ -350,10 +350,12 @@ def test_a_pickle_payload_in_the_dcp_metadata_never_runs(tmp_path: Path) -> None
 def test_fp16_over_shards_uses_a_scaler_that_agrees_across_ranks() -> None:
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    from speedtronic.parts import _grad_scaler
+    from speedtronic.parallel import SINGLE_PROCESS, FullyShardedDataParallel, ParallelContext
     from speedtronic.precision import FP16, FP32
 
     cpu = torch.device("cpu")
-    assert isinstance(_grad_scaler(FP16, cpu, sharded=True), ShardedGradScaler)
-    assert not isinstance(_grad_scaler(FP16, cpu, sharded=False), ShardedGradScaler)
-    assert not _grad_scaler(FP32, cpu, sharded=True).is_enabled()
+    sharded = FullyShardedDataParallel(ParallelContext(rank=0, world_size=2))
+    whole = FullyShardedDataParallel(SINGLE_PROCESS)
+    assert isinstance(sharded.grad_scaler(FP16, cpu), ShardedGradScaler)
+    assert not isinstance(whole.grad_scaler(FP16, cpu), ShardedGradScaler)
+    assert not sharded.grad_scaler(FP32, cpu).is_enabled()

@@ -82,7 +82,7 @@ HOOKS = plugins.hook_names()
 
 def test_the_hook_list_is_complete() -> None:
     specs = [name for name, fn in vars(hookspecs).items() if hasattr(fn, "speedtronic_spec")]
-    assert specs == HOOKS and len(HOOKS) == 13
+    assert specs == HOOKS and len(HOOKS) == 14
 
 
 @pytest.mark.parametrize("name", HOOKS)
@@ -369,6 +369,67 @@ def test_hook_config_sections(register: Register) -> None:
     assert config.to_dict()["recorder"] == {"label": "x"}
     with pytest.raises(ConfigError, match=r"recorder\.lable: unknown key; did you mean 'label'"):
         SpeedtronicConfig.from_dict({"recorder": {"lable": "x"}})
+
+
+def test_hook_parallel_strategies(register: Register, tmp_path: Path) -> None:
+    from speedtronic.parallel import SingleProcess
+
+    class Counting(SingleProcess):
+        """A third-party strategy: one process, counting what the engine asks of it."""
+
+        built: list[Counting] = []
+
+        def __init__(self, parallel: Any) -> None:
+            super().__init__(parallel)
+            self.backwards = self.clips = self.syncs = 0
+            Counting.built.append(self)
+
+        def sync_gradients(self, last: bool) -> Any:
+            self.syncs += 1
+            return super().sync_gradients(last)
+
+        def backward(self, loss: torch.Tensor, *, last: bool, accumulating: bool) -> None:
+            self.backwards += 1
+            super().backward(loss, last=last, accumulating=accumulating)
+
+        def clip_grad_norm(self, parameters: Any, max_norm: float) -> Any:
+            self.clips += 1
+            return super().clip_grad_norm(parameters, max_norm)
+
+    class Provides:
+        @hookimpl
+        def parallel_strategies(self) -> dict[str, type]:
+            return {"counting": Counting}
+
+    def losses(output: Path, strategy: str) -> list[float]:
+        config = tiny_config(
+            output,
+            parallel={"strategy": strategy},
+            data={"micro_batch_size": 2, "target_batch_size": 4},
+            optimizer={"lr": 1e-2, "grad_clip": 1.0},
+        )
+        runtime = build_runtime(config, console=False)
+        runtime.trainer.fit()
+        lines = (output / "metrics.jsonl").read_text().splitlines()
+        return [e["loss"] for e in map(json.loads, lines) if e.get("event") == "step"]
+
+    with pytest.raises(ConfigError, match=r"parallel\.strategy: is 'counting', which no"):
+        build_runtime(tiny_config(tmp_path / "none", parallel={"strategy": "counting"}))
+    register(Provides(), "core-test-strategies")
+    counted = losses(tmp_path / "counting", "counting")
+    (strategy,) = Counting.built
+    # 4 steps x 2 micro-batches each; one clip per step; the run trains as `none` does.
+    assert (strategy.syncs, strategy.backwards, strategy.clips) == (8, 8, 4)
+    assert counted == losses(tmp_path / "single", "none") and len(counted) == 4
+
+    class Clashes:
+        @hookimpl
+        def parallel_strategies(self) -> dict[str, type]:
+            return {"ddp": Counting}
+
+    register(Clashes(), "core-test-strategy-clash")
+    with pytest.raises(speedtronic.errors.PluginError, match="'ddp' is a built-in"):
+        build_runtime(tiny_config(tmp_path / "clash", parallel={"strategy": "counting"}))
 
 
 def test_hook_data_rank(register: Register, tmp_path: Path) -> None:

@@ -149,7 +149,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     data against it) and print the resolved config with secrets redacted."""
     config = load_config(args)
     if not args.config_only:
-        from speedtronic.parallel import launched_world_size
+        from speedtronic.parallel.context import launched_world_size
         from speedtronic.runtime import check_runtime
         from speedtronic.threads import apply_threads
 

@@ -163,8 +163,9 @@ class SpeedtronicConfig:
                 "which a compiled graph would not honour; turn one of them off",
                 "ooo_backprop.enabled",
             )
-        if self.parallel.strategy == "fsdp":
-            _check_fsdp_combination(self)
+        rule = _STRATEGY_RULES.get(self.parallel.strategy)
+        if rule is not None:
+            rule(self)
         if self.checkpoint.keep_best and not self.eval.configured:
             raise ConfigError(
                 "needs an eval loss to compare: set eval.every (and an eval source if the "
@@ -342,6 +343,10 @@ def _check_fsdp_combination(config: SpeedtronicConfig) -> None:
             "matrices, and each rank holds only a shard of them; use adamw or ddp",
             "optimizer.name",
         )
+
+
+# What each built-in parallel strategy cannot train with, checked before anything is built.
+_STRATEGY_RULES = {"fsdp": _check_fsdp_combination}
 
 
 def _provided_sections() -> list[tuple[str, str]]:

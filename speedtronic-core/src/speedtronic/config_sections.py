@@ -445,11 +445,12 @@ class FSDPConfig(Section):
 class ParallelConfig(Section):
     """The ``parallel`` section: data parallel (DDP) or sharded (FSDP) inside one machine."""
 
-    strategy: Literal["auto", "none", "ddp", "fsdp"] = option(
+    strategy: str = option(
         "auto",
         help="`auto`: DDP when launched with WORLD_SIZE > 1; `none`: never; `ddp`: required; "
         "`fsdp`: parameters, gradients and optimizer state sharded over the ranks (FSDP2; on "
-        "one process: no sharding), checkpoints written as sharded DCP directories.",
+        "one process: no sharding), checkpoints written as sharded DCP directories; or the "
+        "name of a strategy a plugin provides (`parallel_strategies` hook).",
     )
     backend: Literal["auto", "nccl", "gloo"] = option(
         "auto", help="Process-group backend; `auto` is nccl on CUDA, gloo on CPU."

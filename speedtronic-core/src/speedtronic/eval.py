@@ -45,7 +45,7 @@ from speedtronic.batch import batch_size_and_tokens, call_model, labels_as_input
 from speedtronic.checkpoint import rng_state, set_rng_state
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.errors import ConfigError, DataError
-from speedtronic.parallel import SINGLE_PROCESS, ParallelContext
+from speedtronic.parallel.context import SINGLE_PROCESS, ParallelContext
 from speedtronic.precision import Precision
 
 __all__ = [

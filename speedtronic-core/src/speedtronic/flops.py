@@ -328,19 +328,20 @@ def measure_run_flops(trainer: Any) -> FlopsReport:
 
     config = trainer.config
     model = trainer.model
-    fsdp = getattr(trainer, "fsdp", None)
-    if fsdp is not None:
-        # Counted on the copy taken before sharding (speedtronic.fsdp.meta_shadow).
-        if fsdp.shadow is None:
+    strategy = getattr(trainer, "strategy", None)
+    if strategy is not None:
+        # Under FSDP, the copy taken before sharding (speedtronic.fsdp.meta_shadow).
+        model = strategy.flops_model(model)
+        if model is None:
             log.warning(
                 "cannot count the FLOPs of the sharded %s (it cannot be copied); tflops and "
                 "mfu are not reported",
-                type(model).__name__,
+                type(trainer.model).__name__,
             )
             return FlopsReport(
-                parameters=trainable_parameters(model), world_size=trainer.parallel.world_size
+                parameters=trainable_parameters(trainer.model),
+                world_size=trainer.parallel.world_size,
             )
-        model = fsdp.shadow
     batch = None
     data = trainer.data
     if isinstance(data, (list, tuple)) and data:

@@ -38,6 +38,7 @@ __all__ = [
     "on_metric",
     "on_train_end",
     "on_train_start",
+    "parallel_strategies",
     "register_commands",
 ]
 
@@ -63,6 +64,18 @@ def config_sections() -> dict[str, type]:
     section is checked as strictly as core's own (types, bounds, unknown keys) and secrets are
     redacted. The validated section is ``config.<name>``. A section in a config file that no
     plugin contributes is an error; so is contributing a core section's name.
+    """
+
+
+@hookspec
+def parallel_strategies() -> dict[str, type]:
+    """Contribute parallel strategies: return a mapping of ``parallel.strategy`` name to a
+    subclass of ``speedtronic.parallel.ParallelStrategy``.
+
+    The class is built once per run as ``cls(parallel)`` with the run's ``ParallelContext``
+    and asked to shard, wrap, reduce, clip and checkpoint as the built-in ``none``, ``ddp`` and
+    ``fsdp`` are (see docs/architecture.md). A name that is already a built-in or another
+    plugin's is an error naming both.
     """
 
 

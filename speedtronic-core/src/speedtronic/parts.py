@@ -3,8 +3,9 @@
 :func:`build_parts` is the only place that decides the device, the precision and its
 GradScaler, the optimizer (configured, or the caller's, wrapped in cautious masking when
 ``optimizer.cautious`` asks), the schedule, the checkpoint manager, the metric logger, the
-plugin manager, gradient checkpointing, out-of-order backprop, ``torch.compile`` and the data
-parallel wrapping (DDP, or FSDP2 sharding with ``parallel.strategy: fsdp``).
+plugin manager, gradient checkpointing, out-of-order backprop, ``torch.compile`` and the run's
+:class:`~speedtronic.parallel.ParallelStrategy` (``parallel.strategy``: none, DDP, FSDP2 or a
+plugin's), which wraps or shards the model and picks the GradScaler and checkpoint writer.
 :func:`speedtronic.runtime.build_runtime` calls it with the configured model and data;
 ``Trainer(model, config, ...)`` calls it with whatever a Python user passed, so both ways build
 a run the same way.
@@ -31,7 +32,13 @@ from speedtronic.metrics import MetricLogger
 from speedtronic.model_limits import model_limits
 from speedtronic.ooo_backprop import OOOBackprop, install_ooo_backprop
 from speedtronic.optim import build_optimizer, build_scheduler
-from speedtronic.parallel import SINGLE_PROCESS, ParallelContext
+from speedtronic.parallel import (
+    SINGLE_PROCESS,
+    ParallelContext,
+    ParallelStrategy,
+    SingleProcess,
+    build_strategy,
+)
 from speedtronic.precision import Precision, resolve_device, resolve_precision
 
 __all__ = ["TrainingParts", "accumulation_steps", "build_parts", "model_limits"]
@@ -64,11 +71,9 @@ class TrainingParts:
     """Held-out evaluation when the ``eval`` section asks for it, else None."""
     parallel: ParallelContext = field(default_factory=ParallelContext)
     """This process's rank and world size (data parallel), single-process by default."""
-    ddp: Any = None
-    """The DistributedDataParallel wrapper the forward runs through under DDP, else None."""
-    fsdp: Any = None
-    """The :class:`~speedtronic.fsdp.ShardedRun` when ``parallel.strategy: fsdp`` shards the
-    model over several ranks (``model`` is then the FSDP2 root module), else None."""
+    strategy: ParallelStrategy = field(default_factory=lambda: SingleProcess(SINGLE_PROCESS))
+    """How the ranks share the work (:mod:`speedtronic.parallel`): it wrapped or sharded
+    ``model`` and runs each step's gradient reduction, backward and clipping."""
     accumulation_steps: int = 1
     """Micro-batches per optimizer step on this rank: the global ``data.target_batch_size``
     divided by ``micro_batch_size`` x world size."""
@@ -96,37 +101,24 @@ def build_parts(
     from speedtronic.plugins import get_plugin_manager
 
     config.validate()  # a config changed in place since it was loaded
+    manager = plugin_manager if plugin_manager is not None else get_plugin_manager()
+    strategy = build_strategy(config.parallel.strategy, parallel, manager)
+    strategy.accept_optimizer(optimizer)
     device = device or parallel.device or resolve_device(config.run.device)
     accumulation = accumulation_steps(config, parallel.world_size)
     model = model.to(device)
     precision = resolve_precision(config.precision.mode, device)
-    fsdp = None
-    if config.parallel.strategy == "fsdp" and parallel.enabled:
-        if optimizer is not None:
-            raise ConfigError(
-                "is fsdp: the optimizer must be built over the sharded parameters, so pass "
-                "none and let the optimizer section build it",
-                "parallel.strategy",
-            )
-        from speedtronic.fsdp import ShardedRun, meta_shadow, shard_model
-
-        # The FLOP count needs the model whole; a meta copy of it costs no memory.
-        shadow = meta_shadow(model)
-        # Before the optimizer exists: it must hold the sharded (DTensor) parameters.
-        units = shard_model(
-            model,
-            config.parallel.fsdp,
-            device=device,
-            world_size=parallel.world_size,
-            compute_dtype=precision.dtype,
-            activation_checkpointing=config.gradient_checkpointing,
-        )
-        fsdp = ShardedRun(model, units, shadow)
+    # Before the optimizer exists: under FSDP it must hold the sharded (DTensor) parameters.
+    model = strategy.shard(model, config=config, device=device, precision=precision)
     optimizer = build_optimizer(model, config.optimizer, device, optimizer)
     if scheduler is None:
         scheduler = build_scheduler(optimizer, config.scheduler, config.run.max_steps)
-    if fsdp is None:  # under FSDP activation checkpointing is applied per unit
-        _set_gradient_checkpointing(model, config.gradient_checkpointing)
+    if not strategy.set_gradient_checkpointing(model, config.gradient_checkpointing):
+        log.warning(
+            "gradient_checkpointing is on but %s has no set_gradient_checkpointing(); "
+            "training without it",
+            type(model).__name__,
+        )
     # The swap is an instance attribute on each nn.Linear: state_dict keys and module types stay.
     ooo = install_ooo_backprop(model, config.ooo_backprop, device)
     if ooo is not None:
@@ -146,71 +138,44 @@ def build_parts(
             precision=precision,
             label_mode=labels,
             parallel=parallel,
-            lockstep=fsdp is not None,
+            lockstep=strategy.eval_lockstep,
         )
         log.info("eval: %s", evaluator.describe())
-    ddp = None
-    if parallel.enabled and fsdp is None:
-        if ooo is not None:
-            raise ConfigError(
-                "cannot be combined with data parallel yet: DDP reduces gradients in autograd "
-                "hooks that deferred weight-gradient products bypass",
-                "ooo_backprop.enabled",
-            )
-        from torch.nn.parallel import DistributedDataParallel
-
-        ddp = DistributedDataParallel(
-            model,
-            device_ids=[device.index] if device.type == "cuda" else None,
-            find_unused_parameters=config.parallel.find_unused_parameters,
-            static_graph=config.parallel.static_graph,
-        )
+    forward = strategy.wrap(model, config=config, ooo_backprop=ooo)
+    checkpoints = _checkpoint_manager(config, checkpoints, parallel)
+    checkpoints.writer = strategy.checkpoint_writer(model, optimizer)
     return TrainingParts(
         config=config,
         model=model,
         data=data,
         device=device,
         precision=precision,
-        scaler=_grad_scaler(precision, device, sharded=fsdp is not None),
+        scaler=strategy.grad_scaler(precision, device),
         optimizer=optimizer,
         scheduler=scheduler,
-        checkpoints=_checkpoint_manager(config, checkpoints, parallel, model, optimizer),
+        checkpoints=checkpoints,
         metrics=metric_logger if metric_logger is not None else MetricLogger(),
-        plugin_manager=plugin_manager if plugin_manager is not None else get_plugin_manager(),
-        compiled=CompiledModel(
-            ddp if ddp is not None else model,
-            config.compile,
-            units=fsdp.units if fsdp is not None else None,
-        ),
+        plugin_manager=manager,
+        compiled=CompiledModel(forward, config.compile, units=strategy.compile_units),
         label_mode=labels,
         ooo_backprop=ooo,
         evaluator=evaluator,
         parallel=parallel,
-        ddp=ddp,
-        fsdp=fsdp,
+        strategy=strategy,
         accumulation_steps=accumulation,
     )
 
 
 def _checkpoint_manager(
-    config: SpeedtronicConfig,
-    given: CheckpointManager | None,
-    parallel: ParallelContext,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    config: SpeedtronicConfig, given: CheckpointManager | None, parallel: ParallelContext
 ) -> CheckpointManager:
     """The run's manager: a given one keeps its directory and retention but saves when the
-    config's ``checkpoint`` section says, among this run's ranks; with ``parallel.strategy:
-    fsdp`` (on one process too, so the layout does not depend on the launcher) it writes
-    sharded DCP checkpoints."""
+    config's ``checkpoint`` section says, among this run's ranks (the strategy then names its
+    writer: under ``parallel.strategy: fsdp``, on one process too, so the layout does not
+    depend on the launcher, sharded DCP checkpoints)."""
     policy = SavePolicy.from_config(config.checkpoint)
     manager = given or CheckpointManager(config.checkpoint_dir, config.checkpoint.keep_last)
     manager.policy, manager.parallel = policy, parallel
-    manager.sharded_writer = None
-    if config.parallel.strategy == "fsdp":
-        from speedtronic.checkpoint.dcp import ShardedWriter
-
-        manager.sharded_writer = ShardedWriter(model, optimizer)
     return manager
 
 
@@ -226,30 +191,6 @@ def accumulation_steps(config: SpeedtronicConfig, world_size: int = 1) -> int:
             "data.target_batch_size",
         )
     return target // (micro * world_size)
-
-
-def _grad_scaler(precision: Precision, device: torch.device, sharded: bool) -> Any:
-    """The run's GradScaler; over FSDP shards one that agrees across ranks on an overflow
-    (each rank sees only its shards' infs), so every rank skips the same steps."""
-    if sharded and precision.use_grad_scaler:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        return ShardedGradScaler(device.type)
-    return precision.grad_scaler(device)
-
-
-def _set_gradient_checkpointing(model: nn.Module, enabled: bool) -> None:
-    if not enabled:
-        return
-    setter = getattr(model, "set_gradient_checkpointing", None)
-    if callable(setter):
-        setter(True)
-    else:
-        log.warning(
-            "gradient_checkpointing is on but %s has no set_gradient_checkpointing(); "
-            "training without it",
-            type(model).__name__,
-        )
 
 
 def _label_mode(config: SpeedtronicConfig, model: nn.Module) -> str:

@@ -13,7 +13,7 @@ if TYPE_CHECKING:  # annotations only: this module is imported by the hook contr
     from torch import nn
 
     from speedtronic.config import SpeedtronicConfig
-    from speedtronic.parallel import ParallelContext
+    from speedtronic.parallel.context import ParallelContext
 
 __all__ = ["TrainerLike"]
 

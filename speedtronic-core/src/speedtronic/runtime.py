@@ -23,7 +23,7 @@ from speedtronic.data import DataSource, Tokenizer, build_dataloader
 from speedtronic.errors import ConfigError, PluginError
 from speedtronic.metrics import ConsoleSink, JsonlSink, MetricLogger, TextFileSink, import_hook
 from speedtronic.model_limits import model_limits
-from speedtronic.parallel import SINGLE_PROCESS, init_parallel
+from speedtronic.parallel.context import SINGLE_PROCESS, init_parallel
 from speedtronic.parts import build_parts
 from speedtronic.plugins import get_plugin_manager
 from speedtronic.preflight import check_before_building

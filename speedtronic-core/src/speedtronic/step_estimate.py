@@ -352,7 +352,8 @@ def estimate_run_step(trainer: Any, *, always: bool = False) -> StepEstimate | N
 
     config = trainer.config
     per_token = trainer.flops.flops_per_token
-    model = trainer.fsdp.shadow if getattr(trainer, "fsdp", None) is not None else trainer.model
+    strategy = getattr(trainer, "strategy", None)
+    model = strategy.flops_model(trainer.model) if strategy is not None else trainer.model
     if per_token is None or model is None:
         return None
     data = trainer.data

@@ -1,13 +1,12 @@
 """One optimizer step of :class:`~speedtronic.trainer.Trainer`: the micro-batches of an
-accumulation window, forward and backward under the run's precision (DDP/FSDP gradient sync
-on the last micro-batch only), out-of-order backprop drains, clipping, the GradScaler, and the
-counts that stop a run whose loss or gradients are no longer finite."""
+accumulation window, forward and backward under the run's precision (the strategy's gradient
+reduction on the last micro-batch only), out-of-order backprop drains, clipping, the
+GradScaler, and the counts that stop a run whose loss or gradients are no longer finite."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -50,8 +49,8 @@ class TrainStep:
         self._step_aux = {}
         for index, batch in enumerate(batches):
             last = index == len(batches) - 1
-            # Under DDP only the last micro-batch's backward all-reduces the gradients.
-            with self.ddp.no_sync() if self.ddp is not None and not last else nullcontext():
+            # Gradients are reduced over the ranks on the last micro-batch only.
+            with self.strategy.sync_gradients(last):
                 with self.precision.autocast(self.device):
                     output = call_model(model, batch)
                     loss = loss_of(output)
@@ -63,9 +62,11 @@ class TrainStep:
                 del output
                 # Each micro-batch loss is a mean; dividing by their count makes the summed
                 # gradients those of the mean over the whole optimizer batch.
-                if self.fsdp is not None and accumulating:
-                    self.fsdp.before_backward(last)
-                self.scaler.scale(loss / len(batches) if accumulating else loss).backward()
+                self.strategy.backward(
+                    self.scaler.scale(loss / len(batches) if accumulating else loss),
+                    last=last,
+                    accumulating=accumulating,
+                )
             self._drain_grads(last=index == len(batches) - 1)
             losses.append(loss.detach())
         if accumulating:
@@ -101,13 +102,10 @@ class TrainStep:
         if clip is not None or want_norm:
             self.scaler.unscale_(self.optimizer)
             params = [p for g in self.optimizer.param_groups for p in g["params"]]
-            # Under FSDP each rank holds gradient shards: the norm is summed over ranks.
-            clip_fn = (
-                self.fsdp.clip_grad_norm
-                if self.fsdp is not None
-                else torch.nn.utils.clip_grad_norm_
+            # Under FSDP each rank holds gradient shards: the strategy sums the norm over ranks.
+            grad_norm = self.strategy.clip_grad_norm(
+                params, clip if clip is not None else float("inf")
             )
-            grad_norm = clip_fn(params, clip if clip is not None else float("inf"))
         if not self.scaler.is_enabled():
             self.optimizer.step()
             return True, grad_norm

@@ -160,8 +160,7 @@ class Trainer(TrainerState, TrainStep):
         self._stop = StopRequest()
         self.accumulation_steps = parts.accumulation_steps
         self.parallel = parts.parallel
-        self.ddp = parts.ddp
-        self.fsdp = parts.fsdp
+        self.strategy = parts.strategy
         self.reset_optimizer_on_weight_replace = True
         self.plugin_state: dict[str, Any] = {}
         self.step = 0
@@ -183,6 +182,18 @@ class Trainer(TrainerState, TrainStep):
         self.profiler: StepProfiler | None = None
         # run.threads: auto following the machine's load while training (CPU runs).
         self.threads: ThreadGovernor | None = None
+
+    @property
+    def ddp(self) -> Any:
+        """The DistributedDataParallel wrapper the forward runs through under ``ddp``, else
+        None (``trainer.strategy.ddp``)."""
+        return self.strategy.ddp
+
+    @property
+    def fsdp(self) -> Any:
+        """The :class:`~speedtronic.fsdp.ShardedRun` when the model is sharded over several
+        ranks, else None (``trainer.strategy.sharded_run``)."""
+        return self.strategy.sharded_run
 
     # ------------------------------------------------------------------ events
     def emit(self, event: str, payload: dict[str, Any]) -> None:

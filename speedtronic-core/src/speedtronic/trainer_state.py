@@ -10,7 +10,7 @@ from typing import Any
 from speedtronic.checkpoint import SavedCheckpoint, rng_state, set_rng_state
 from speedtronic.checkpoint.dcp import load_sharded_weights, sharded_model_shapes
 from speedtronic.errors import CheckpointError
-from speedtronic.fsdp import load_full_model_state, load_optimizer_state
+from speedtronic.parallel.strategy import ParallelStrategy
 from speedtronic.state_checks import STATE_FORMAT, check_trainer_state, state_mismatch
 
 __all__ = ["TrainerState"]
@@ -23,6 +23,7 @@ class TrainerState:
     attributes used here are the trainer's)."""
 
     # Set by the trainer; declared for readers of this class.
+    strategy: ParallelStrategy
     step: int
     samples_seen: int
     tokens_seen: int
@@ -115,14 +116,14 @@ class TrainerState:
         """Model and optimizer from a full state (of a single-process, DDP or FSDP run)."""
         self._check_fits(state["model"])
         try:
-            load_full_model_state(self.model, state["model"])
+            self.strategy.load_full_model_state(self.model, state["model"])
         except (RuntimeError, KeyError, ValueError) as exc:
             raise CheckpointError(
                 f"the checkpoint does not fit this model (was model.* changed?): "
                 f"{str(exc).strip().splitlines()[0]}"
             ) from exc
         try:
-            load_optimizer_state(self.model, self.optimizer, state["optimizer"])
+            self.strategy.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         except (RuntimeError, KeyError, ValueError, TypeError) as exc:
             raise CheckpointError(
                 f"the checkpoint's optimizer state does not fit this run (was optimizer.* "

@@ -168,7 +168,7 @@ def on_train_start(trainer: Any) -> None:
                 "boundary"
             )
         trainer.reset_optimizer_on_weight_replace = section.reset_inner_optimizer
-        if trainer.fsdp is not None:
+        if trainer.strategy.shards_parameters:
             from speedtronic_diloco.node.sharded import ShardedGroup
 
             run.group = ShardedGroup(trainer.model, parallel.is_main)  # every rank gathers
@@ -404,7 +404,7 @@ def _unsharded_copy(trainer: Any) -> Any:
     """A model of the run's own to score globals on in another thread: a copy of the model, or
     under FSDP (whose forward is a collective of the group) a fresh one built from the config
     (``evaluate`` installs every global whole before it scores)."""
-    if trainer.fsdp is None:
+    if not trainer.strategy.shards_parameters:
         import copy
 
         return copy.deepcopy(trainer.model)

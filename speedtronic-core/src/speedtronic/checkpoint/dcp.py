@@ -57,6 +57,7 @@ from speedtronic.checkpoint.names import (
     TENSORS,
     checkpoint_name,
 )
+from speedtronic.checkpoint.writer import CheckpointWriter
 from speedtronic.errors import CheckpointError
 
 if TYPE_CHECKING:  # the reader reads sharded checkpoints through this module
@@ -99,8 +100,8 @@ def is_sharded_checkpoint(path: Path) -> bool:
 
 
 # ---------------------------------------------------------------------- writing
-class ShardedWriter:
-    """The ``sharded_writer`` of a :class:`CheckpointManager` whose run shards ``model`` and
+class ShardedWriter(CheckpointWriter):
+    """The ``writer`` of a :class:`CheckpointManager` whose run shards ``model`` and
     ``optimizer`` (``parallel.strategy: fsdp``): each of the manager's saves
     (:meth:`~CheckpointManager.save_now`, :meth:`~CheckpointManager.maybe_save`) becomes a
     :func:`save_sharded_checkpoint` on every rank; with ``checkpoint.async_save`` the manager
@@ -111,7 +112,9 @@ class ShardedWriter:
         self.optimizer = optimizer
         self._background: Any = None  # the collectives of background saves, made at the first
 
-    def __call__(self, manager: CheckpointManager, step: int, state: dict[str, Any]) -> Path:
+    per_rank = True
+
+    def save(self, manager: CheckpointManager, step: int, state: dict[str, Any]) -> Path:
         return save_sharded_checkpoint(manager, step, state, self.model, self.optimizer)
 
     def start(

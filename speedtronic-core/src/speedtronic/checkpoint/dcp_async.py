@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from speedtronic.parallel import ParallelContext
+from speedtronic.parallel.context import ParallelContext
 
 __all__ = ["GroupCollectives", "background_collectives", "stage"]
 

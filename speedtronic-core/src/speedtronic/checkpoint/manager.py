@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from safetensors.torch import save_file
 
@@ -66,11 +66,9 @@ from speedtronic.checkpoint.reader import (
     LoadedCheckpoint,
 )
 from speedtronic.checkpoint.runlock import RunLock
+from speedtronic.checkpoint.writer import CheckpointWriter
 from speedtronic.errors import CheckpointError
-from speedtronic.parallel import SINGLE_PROCESS, ParallelContext
-
-if TYPE_CHECKING:
-    from speedtronic.checkpoint.dcp import ShardedWriter
+from speedtronic.parallel.context import SINGLE_PROCESS, ParallelContext
 
 __all__ = [
     "BEST_POINTER",
@@ -100,9 +98,10 @@ class CheckpointManager(CheckpointReader):
 
     Under data parallel (``parallel``) every rank calls the run-facing methods at the same
     points: rank 0 alone touches the directory and the others learn its outcome, so every rank
-    raises the same :class:`CheckpointError`. With a ``sharded_writer`` (``parallel.strategy:
-    fsdp``, :class:`speedtronic.checkpoint.dcp.ShardedWriter`) every rank writes its own shards
-    of each save instead; the policy, retention and pointers stay the same.
+    raises the same :class:`CheckpointError`. Its ``writer`` (the run's strategy picks it: the
+    whole state by rank 0, or under ``parallel.strategy: fsdp`` a
+    :class:`speedtronic.checkpoint.dcp.ShardedWriter` whose ranks each write their shards)
+    writes each save; the policy, retention and pointers stay the same.
     """
 
     def __init__(
@@ -127,9 +126,8 @@ class CheckpointManager(CheckpointReader):
         self._unreported: list[SavedCheckpoint] = []
         # Held from start_run to close: no second live run writes this directory.
         self._run_lock: RunLock | None = None
-        # Called on every rank with (manager, step, state) to write a sharded checkpoint, or
-        # its start() for a background one; None: rank 0 writes the whole state.
-        self.sharded_writer: ShardedWriter | None = None
+        # Writes each save on every rank: save() now, or start() for a background one.
+        self.writer: CheckpointWriter = CheckpointWriter()
 
     # ------------------------------------------------------------------ a run's saves
     def resume_point(
@@ -223,10 +221,7 @@ class CheckpointManager(CheckpointReader):
         in flight); ``state`` is the state or a callable building it."""
         self._join()
         tree = state() if callable(state) else state
-        if self.sharded_writer is not None:
-            path = self.sharded_writer(self, step, tree)  # every rank writes its shards
-        else:
-            path = self._write_on_ranks(step, lambda: self._write_with_retry(step, tree))
+        path = self.writer.save(self, step, tree)
         self._saved(step)
         return SavedCheckpoint(step, path)
 
@@ -254,7 +249,7 @@ class CheckpointManager(CheckpointReader):
         if not self.policy.async_save:
             return  # the same on every rank: no collective below
         job, self._in_flight = self._in_flight, None
-        if self.sharded_writer is not None:
+        if self.writer.per_rank:
             # Every rank has its own background write; they end together with one outcome.
             if job is not None:
                 self._unreported.append(job.result())
@@ -286,16 +281,23 @@ class CheckpointManager(CheckpointReader):
 
     def _start_background(self, step: int, state: Any) -> None:
         self._join()  # at most one write in flight: the next save waits for the previous one
-        if self.sharded_writer is not None:
-            # Every rank copies its shards now and writes them in a thread of its own
-            # (speedtronic.checkpoint.dcp_async).
-            write = self.sharded_writer.start(self, step, state)
+        write = self.writer.start(self, step, state)
+        if write is not None:
             self._in_flight = BackgroundWrite(step, write)
-        elif self.parallel.is_main:
-            # The copy to CPU memory is the only part the training step waits for.
-            snapshot = self._encode(step, state, copy=True)
-            self._in_flight = BackgroundWrite(step, lambda: self._write_with_retry(step, snapshot))
         self._saved(step)
+
+    def write_whole(self, step: int, state: Any) -> Path:
+        """The whole-state write of ``step`` (:class:`CheckpointWriter`): rank 0 writes it,
+        retrying once; every rank gets the path or raises rank 0's error."""
+        return self._write_on_ranks(step, lambda: self._write_with_retry(step, state))
+
+    def snapshot_whole(self, step: int, state: Any) -> Callable[[], Path] | None:
+        """Rank 0's copy of ``state`` in CPU memory (the only part the training step waits
+        for) and the write to run in the background; None on the other ranks."""
+        if not self.parallel.is_main:
+            return None
+        snapshot = self._encode(step, state, copy=True)
+        return lambda: self._write_with_retry(step, snapshot)
 
     def _saved(self, step: int) -> None:
         self.last_saved_step = step

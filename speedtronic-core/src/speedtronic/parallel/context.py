@@ -1,16 +1,15 @@
-"""Data parallel inside one machine: torch.distributed process groups and DDP.
+"""The run's ranks: torch.distributed process groups inside one machine.
 
 A run launched by ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) or by
 ``speedtronic train --nproc-per-node N`` (which starts the ranks through torch's own elastic
-launcher) trains one model replica per process: each rank reads its own disjoint share of the
-samples, gradients are averaged by DistributedDataParallel, and rank 0 alone writes checkpoints
-and metrics. ``strategy: fsdp`` shards the model over the same ranks instead (see
-:mod:`speedtronic.fsdp`). The cross-machine part stays DumbDiLoCo.
+launcher) trains on every rank: each reads its own disjoint share of the samples and rank 0
+alone writes checkpoints and metrics. How the ranks share the model (whole replicas under
+``ddp``, shards under ``fsdp``) is the run's :class:`~speedtronic.parallel.ParallelStrategy`.
 
 :class:`ParallelContext` is what the rest of the engine sees: ``rank``, ``world_size``,
 ``is_main``, and the few collectives it needs (a mean of a device scalar at the log cadence, a
 barrier around checkpoints, broadcasting a small object). On one process every collective is a
-no-op, so code paths are the same with and without DDP.
+no-op, so code paths are the same with and without several ranks.
 """
 
 from __future__ import annotations
@@ -143,8 +142,8 @@ def init_parallel(section: Any, requested_device: str) -> ParallelContext:
     GPU machine and on the CPU otherwise; the backend defaults to NCCL on CUDA and gloo on CPU.
     """
     world = launched_world_size()
-    if section.strategy == "fsdp" and world == 1:
-        return SINGLE_PROCESS  # one process holds everything: nothing to shard
+    if world == 1 and section.strategy not in ("auto", "ddp"):
+        return SINGLE_PROCESS  # one process holds everything: nothing to shard or reduce
     if section.strategy == "none" or (section.strategy == "auto" and world == 1):
         if world > 1:
             log.warning(
@@ -204,7 +203,9 @@ def init_parallel(section: Any, requested_device: str) -> ParallelContext:
     )
     log.info(
         "%s: rank %d of %d (%s, %s)",
-        "sharded data parallel" if section.strategy == "fsdp" else "data parallel",
+        {"fsdp": "sharded data parallel", "auto": "data parallel", "ddp": "data parallel"}.get(
+            section.strategy, f"parallel strategy {section.strategy}"
+        ),
         context.rank,
         context.world_size,
         backend,

@@ -1,0 +1,37 @@
+"""How one checkpoint save is written: the whole state by rank 0, or every rank its part.
+
+A :class:`~speedtronic.checkpoint.CheckpointManager` decides when a run saves, and keeps the
+retention and the pointers; its ``writer`` (the run's :class:`ParallelStrategy
+<speedtronic.parallel.ParallelStrategy>` picks it) writes each save.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from speedtronic.checkpoint.manager import CheckpointManager
+
+__all__ = ["CheckpointWriter"]
+
+
+class CheckpointWriter:
+    """How a :class:`~speedtronic.checkpoint.CheckpointManager` writes one save: the whole
+    state by rank 0 (this class: the manager's own file format), or every rank its own part
+    (``per_rank``: :class:`speedtronic.checkpoint.dcp.ShardedWriter`). The manager keeps the
+    policy, retention and pointers either way."""
+
+    per_rank: ClassVar[bool] = False
+    """Every rank writes (and, with ``async_save``, runs a background write) of its own."""
+
+    def save(self, manager: CheckpointManager, step: int, state: Any) -> Path:
+        """Write ``state`` as the checkpoint of ``step`` now; every rank calls this and gets
+        the checkpoint's path (or the same :class:`CheckpointError`)."""
+        return manager.write_whole(step, state)
+
+    def start(self, manager: CheckpointManager, step: int, state: Any) -> Callable[[], Path] | None:
+        """Copy what the write needs now (the only part the step waits for) and return the
+        write to run in a background thread; None on a rank that writes nothing."""
+        return manager.snapshot_whole(step, state)
