@@ -117,6 +117,9 @@ BENCHMARKS: list[Benchmark] = [
     # The CPU time-per-step estimate against measured steps: smoke, and reference-small with
     # one micro-batch per step in quick mode (a few minutes on one core).
     Benchmark("step_estimate"),
+    # Issue 41's take-over with real processes, beside the same run with no kill: quick is
+    # 2 pairs at 600 / 800 steps (about 7 minutes), full 2 pairs at 3000 / 4000 (about 30).
+    Benchmark("diloco_failover"),
 ]
 
 

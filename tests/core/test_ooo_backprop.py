@@ -19,6 +19,7 @@ from speedtronic import ConfigError, SpeedtronicConfig, SpeedtronicError
 from speedtronic import ooo_backprop as ooo
 from speedtronic.ooo_backprop import OOOBackprop, install_ooo_backprop
 from speedtronic.parts import build_parts
+from speedtronic.train_step import TrainStep
 from speedtronic.trainer import Trainer
 from speedtronic_models import ReferenceTransformer
 
@@ -356,7 +357,7 @@ def test_the_queue_is_drained_before_clipping(
     assert [norm for _, norm in seen] == pytest.approx(reference_norms, abs=1e-6)
 
     seen.clear()
-    monkeypatch.setattr(Trainer, "_drain_grads", lambda self, last=True: None)
+    monkeypatch.setattr(TrainStep, "drain_grads", lambda self, last=True: None)
     with pytest.raises(SpeedtronicError, match="not drained"):
         fit(tmp_path / "undrained", True, run={"max_steps": 2})
     pending, norm = seen[0]

@@ -6,6 +6,7 @@ every wait is a bounded poll on a condition.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -21,7 +22,7 @@ from core.plugin_fixtures import plugin_env, run_python
 from core.toy_runs import TINY_TRANSFORMER, tiny_transformer_run, train
 from core.toy_runs import metric_events as events
 
-from speedtronic.checkpoint import CheckpointManager, checkpoint_name
+from speedtronic.checkpoint import POINTER, CheckpointManager, checkpoint_name
 
 pytestmark = pytest.mark.slow
 
@@ -62,6 +63,14 @@ def launch(
 
 def output(jsonl: Path) -> str:
     return jsonl.with_suffix(".out").read_text(errors="replace")
+
+
+def pointed_step(checkpoints: Path) -> int:
+    """The step ``latest.json`` names, -1 while there is none (replaced atomically)."""
+    try:
+        return int(json.loads((checkpoints / POINTER).read_text())["step"])
+    except FileNotFoundError:
+        return -1
 
 
 def losses(jsonl: Path) -> dict[int, float]:
@@ -163,7 +172,9 @@ def test_two_signals_in_a_row_leave_a_usable_checkpoint(tmp_path: Path) -> None:
     directory = tmp_path / "run"
     config = run_config(directory, checkpoint={"interval": 2})
     process, first = launch(config, tmp_path, "first")
-    wait_for(lambda: last_step(first) >= 4, process, first)
+    # Signal once latest.json names step 4 or later: a step's metrics line comes before its
+    # save, so a second signal arriving in the middle of step 4's save leaves step 2.
+    wait_for(lambda: pointed_step(directory / "checkpoints") >= 4, process, first)
     os.kill(process.pid, signal.SIGTERM)
     os.kill(process.pid, signal.SIGTERM)
     # Two signals that arrive before the first is handled count once (POSIX merges them):

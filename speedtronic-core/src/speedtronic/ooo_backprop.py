@@ -37,7 +37,7 @@ next layer down waits for nothing.
 
 ``.grad`` of a swapped weight is complete only after :meth:`~OOOBackprop.drain`. The trainer
 drains after the last micro-batch's backward and again before it unscales, clips or steps
-(``Trainer._drain_grads``); a gradient reduction (DDP) must call ``drain()`` before it reduces.
+(``TrainStep.drain_grads``); a gradient reduction (DDP) must call ``drain()`` before it reduces.
 :meth:`OOOBackprop.guard_optimizer` makes ``optimizer.step()`` fail loudly when a drain was
 missed.
 

@@ -6,13 +6,16 @@ GradScaler, and the counts that stop a run whose loss or gradients are no longer
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from speedtronic.batch import aux_metrics, call_model, labels_as_inputs, loss_of, move_to
 from speedtronic.errors import DataError, SpeedtronicError
+
+if TYPE_CHECKING:
+    from speedtronic.parts import TrainingParts
 
 __all__ = ["MAX_CONSECUTIVE_SKIPS", "TrainStep"]
 
@@ -24,29 +27,50 @@ MAX_CONSECUTIVE_SKIPS = 64
 
 
 class TrainStep:
-    """The step side of :class:`~speedtronic.trainer.Trainer` (a base class of it: the
-    attributes used here are the trainer's)."""
+    """One optimizer step of a run, a component of its :class:`~speedtronic.trainer.Trainer`
+    (``trainer.train_step``): it holds the parts a step uses, the run's
+    :class:`~speedtronic.parallel.ParallelStrategy` among them, and the step's own counters
+    (the model-returned metrics of the last step, skipped and non-finite steps in a row).
+    ``emit(event, payload)`` reports a skipped step; the caller passes the step number."""
 
-    step: int
+    def __init__(self, parts: TrainingParts, emit: Callable[[str, dict[str, Any]], None]):
+        self.config = parts.config
+        self.device = parts.device
+        self.precision = parts.precision
+        self.scaler = parts.scaler
+        self.optimizer = parts.optimizer
+        self.compiled = parts.compiled
+        self.ooo_backprop = parts.ooo_backprop
+        self.strategy = parts.strategy
+        self.parallel = parts.parallel
+        self.label_mode = parts.label_mode
+        self.accumulation_steps = parts.accumulation_steps
+        self.emit = emit
+        # The last step's mean of each model-returned scalar, kept on the device.
+        self.aux: dict[str, torch.Tensor] = {}
+        self.consecutive_skips = 0
+        # Optimizer steps in a row whose loss was not finite (a device scalar; run.max_nan_steps).
+        self.nan_steps = torch.zeros((), dtype=torch.int64)
 
-    def _next_micro_batches(self, batches: Iterator[Any]) -> list[Any]:
+    def next_micro_batches(self, batches: Iterator[Any], step: int) -> list[Any]:
+        """The micro-batches of the optimizer step after ``step``, on the device."""
         try:
             micro = [move_to(next(batches), self.device) for _ in range(self.accumulation_steps)]
         except StopIteration:
             raise DataError(
-                f"the training data ran out at step {self.step} of {self.config.run.max_steps}; "
+                f"the training data ran out at step {step} of {self.config.run.max_steps}; "
                 "pass a re-iterable source (list, DataLoader, DataSource) or lower run.max_steps"
             ) from None
         if self.label_mode == "inputs":
             return [labels_as_inputs(batch) for batch in micro]
         return micro
 
-    def _forward_backward(self, batches: list[Any], model: Any) -> torch.Tensor:
+    def forward_backward(self, batches: list[Any], model: Any) -> torch.Tensor:
         """Forward and backward over one optimizer step's micro-batches; returns their mean
         loss (fp32, unscaled, still on the device)."""
         accumulating = len(batches) > 1
         losses = []
-        self._step_aux = {}
+        self.aux = {}
         for index, batch in enumerate(batches):
             last = index == len(batches) - 1
             # Gradients are reduced over the ranks on the last micro-batch only.
@@ -57,8 +81,8 @@ class TrainStep:
                 for key, value in aux_metrics(output).items():
                     # The step's mean of each model-returned scalar, kept on the device.
                     scaled = value.to(self.device) / len(batches)
-                    previous = self._step_aux.get(key)
-                    self._step_aux[key] = scaled if previous is None else previous + scaled
+                    previous = self.aux.get(key)
+                    self.aux[key] = scaled if previous is None else previous + scaled
                 del output
                 # Each micro-batch loss is a mean; dividing by their count makes the summed
                 # gradients those of the mean over the whole optimizer batch.
@@ -67,19 +91,20 @@ class TrainStep:
                     last=last,
                     accumulating=accumulating,
                 )
-            self._drain_grads(last=index == len(batches) - 1)
+            self.drain_grads(last=index == len(batches) - 1)
             losses.append(loss.detach())
         if accumulating:
             return torch.stack(losses).float().mean()
         return losses[0].float()
 
-    def _step_loss(self, batches: list[Any]) -> torch.Tensor:
+    def loss(self, batches: list[Any]) -> torch.Tensor:
+        """Forward and backward of one step (compiled when ``compile`` says); its mean loss."""
         return self.compiled.run(
-            lambda model: self._forward_backward(batches, model),
+            lambda model: self.forward_backward(batches, model),
             reset=lambda: self.optimizer.zero_grad(set_to_none=True),
         )
 
-    def _drain_grads(self, last: bool = True) -> None:
+    def drain_grads(self, last: bool = True) -> None:
         """A drain point of out-of-order backprop (``ooo_backprop``): after a micro-batch's
         backward the queued weight-gradient products are run (``last=False``: only started, on
         a CUDA side stream they may overlap the next forward); with ``last`` they are finished
@@ -92,11 +117,11 @@ class TrainStep:
         else:
             self.ooo_backprop.flush()
 
-    def _optimizer_step(self, want_norm: bool = True) -> tuple[bool, torch.Tensor | None]:
+    def optimizer_step(self, want_norm: bool = True) -> tuple[bool, torch.Tensor | None]:
         """Clip and step. Returns (stepped, grad_norm); stepped is False after a GradScaler
         overflow, which skips the update. Without clipping, the norm is only computed when
         ``want_norm`` (it is logged at the log cadence only)."""
-        self._drain_grads()  # before unscale, clip and step read .grad
+        self.drain_grads()  # before unscale, clip and step read .grad
         clip = self.config.optimizer.grad_clip
         grad_norm = None
         if clip is not None or want_norm:
@@ -114,7 +139,7 @@ class TrainStep:
         self.scaler.update()
         return self.scaler.get_scale() >= scale_before, grad_norm
 
-    def _count_nan_step(self, loss: torch.Tensor) -> None:
+    def count_nan_step(self, loss: torch.Tensor, step: int) -> None:
         """Count optimizer steps in a row with a non-finite loss (on the device: no sync), and
         stop the run once ``run.max_nan_steps`` failed in a row. The count is read every
         half of that (one host sync, not one per step); every rank reads it at the same
@@ -123,32 +148,32 @@ class TrainStep:
         if not limit:
             return
         finite = torch.isfinite(loss.detach())
-        self._nan_steps = torch.where(finite, 0, self._nan_steps.to(loss.device) + 1)
-        if self.step % max(1, limit // 2):
+        self.nan_steps = torch.where(finite, 0, self.nan_steps.to(loss.device) + 1)
+        if step % max(1, limit // 2):
             return
-        count = float(self.parallel.mean(self._nan_steps.float()).item())
+        count = float(self.parallel.mean(self.nan_steps.float()).item())
         if count >= limit:
             raise SpeedtronicError(
                 f"the loss was NaN or infinite for the last {int(count)} optimizer steps (step "
-                f"{self.step}; run.max_nan_steps is {limit}): training has diverged or the "
+                f"{step}; run.max_nan_steps is {limit}): training has diverged or the "
                 "weights are not finite (lower optimizer.lr, add optimizer.grad_clip, try "
                 "precision.mode fp32, or check the data and init_from weights)"
             )
 
-    def _skipped_step(self) -> None:
+    def skipped_step(self, step: int) -> None:
         """Report a GradScaler overflow; the step, scheduler and plugins do not advance."""
-        self._consecutive_skips += 1
+        self.consecutive_skips += 1
         self.emit(
             "optimizer_step_skipped",
             {
-                "step": self.step,
+                "step": step,
                 "scale": self.scaler.get_scale(),
-                "consecutive": self._consecutive_skips,
+                "consecutive": self.consecutive_skips,
             },
         )
-        if self._consecutive_skips >= MAX_CONSECUTIVE_SKIPS:
+        if self.consecutive_skips >= MAX_CONSECUTIVE_SKIPS:
             raise SpeedtronicError(
-                f"{self._consecutive_skips} optimizer steps in a row were skipped for inf/NaN "
-                f"gradients at step {self.step}; the loss is not finite (lower optimizer.lr, or "
+                f"{self.consecutive_skips} optimizer steps in a row were skipped for inf/NaN "
+                f"gradients at step {step}; the loss is not finite (lower optimizer.lr, or "
                 "try precision.mode bf16/fp32)"
             )

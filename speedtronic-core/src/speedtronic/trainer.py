@@ -89,7 +89,7 @@ STEP_KEYS = frozenset(
 )
 
 
-class Trainer(TrainerState, TrainStep):
+class Trainer(TrainerState):
     """Runs optimizer steps on ``model`` until ``config.run.max_steps``.
 
     ``data`` is a :class:`~speedtronic.data.DataSource` (resumable) or any iterable of
@@ -143,13 +143,11 @@ class Trainer(TrainerState, TrainStep):
         self.device = parts.device
         self.model = parts.model
         self.precision = parts.precision
-        self.optimizer = parts.optimizer
         self.scheduler = parts.scheduler
         self.plugin_manager = parts.plugin_manager
         self.metrics = parts.metrics
         self.data = parts.data
         self.checkpoints = parts.checkpoints
-        self.scaler = parts.scaler
         self.compiled = parts.compiled
         self.label_mode = parts.label_mode
         self.ooo_backprop = parts.ooo_backprop
@@ -171,10 +169,8 @@ class Trainer(TrainerState, TrainStep):
         # The last loss read at the log cadence; kept so a run that fails still reports it.
         self.last_loss: float | None = None
         self._resumed_rng: dict[str, Any] | None = None
-        self._step_aux: dict[str, torch.Tensor] = {}
-        self._consecutive_skips = 0
-        # Optimizer steps in a row whose loss was not finite (a device scalar; run.max_nan_steps).
-        self._nan_steps = torch.zeros((), dtype=torch.int64)
+        # One optimizer step: micro-batches, backward, clipping, the GradScaler, the counts.
+        self.train_step = TrainStep(parts, self.emit)
         # Counted at train start (speedtronic.flops); the profiler window, when configured.
         self.flops = FlopsReport(parameters=0)
         # A CPU run's estimated time per step (speedtronic.step_estimate), when one was made.
@@ -182,6 +178,24 @@ class Trainer(TrainerState, TrainStep):
         self.profiler: StepProfiler | None = None
         # run.threads: auto following the machine's load while training (CPU runs).
         self.threads: ThreadGovernor | None = None
+
+    # The step's own parts, also the trainer's (a caller may replace either before fit()).
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.train_step.optimizer
+
+    @optimizer.setter
+    def optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self.train_step.optimizer = optimizer
+
+    @property
+    def scaler(self) -> Any:
+        """The run's GradScaler (disabled unless the precision needs one)."""
+        return self.train_step.scaler
+
+    @scaler.setter
+    def scaler(self, scaler: Any) -> None:
+        self.train_step.scaler = scaler
 
     @property
     def ddp(self) -> Any:
@@ -375,13 +389,14 @@ class Trainer(TrainerState, TrainStep):
         world = self.parallel.world_size
         last_loss: float | None = None
         profiler = self.profiler
+        steps = self.train_step
         while self.step < max_steps:
             if profiler is not None:
                 profiler.step_begins(self.step + 1)
-            micro = self._next_micro_batches(batches)
-            step_loss = self._step_loss(micro)
+            micro = steps.next_micro_batches(batches, self.step)
+            step_loss = steps.loss(micro)
             will_log = (self.step + 1) % log_every == 0 or self.step + 1 == max_steps
-            stepped, grad_norm = self._optimizer_step(want_norm=will_log)
+            stepped, grad_norm = steps.optimizer_step(want_norm=will_log)
             self.optimizer.zero_grad(set_to_none=True)
             # Consumed samples count even when the update is skipped: they are the data
             # position a resumed run restarts from.
@@ -393,13 +408,13 @@ class Trainer(TrainerState, TrainStep):
                 self.tokens_seen += tokens
                 meter.count_batch(samples, tokens)
             if not stepped:
-                self._skipped_step()
+                steps.skipped_step(self.step)
                 continue
-            self._consecutive_skips = 0
+            steps.consecutive_skips = 0
             self.scheduler.step()
             self.step += 1
-            meter.count_step(step_loss, self._step_aux)
-            self._count_nan_step(step_loss)
+            meter.count_step(step_loss, steps.aux)
+            steps.count_nan_step(step_loss, self.step)
             self.metrics.progress(self.step)
 
             replaced = self.plugin_manager.hook.after_optimizer_step(

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
-if TYPE_CHECKING:
-    from speedtronic.checkpoint.manager import CheckpointManager
+__all__ = ["CheckpointWriter", "WholeStateWrites"]
 
-__all__ = ["CheckpointWriter"]
+
+class WholeStateWrites(Protocol):
+    """What a writer needs of the manager it writes for (the manager's whole-state format)."""
+
+    def write_whole(self, step: int, state: Any) -> Path: ...
+
+    def snapshot_whole(self, step: int, state: Any) -> Callable[[], Path] | None: ...
 
 
 class CheckpointWriter:
@@ -26,12 +31,12 @@ class CheckpointWriter:
     per_rank: ClassVar[bool] = False
     """Every rank writes (and, with ``async_save``, runs a background write) of its own."""
 
-    def save(self, manager: CheckpointManager, step: int, state: Any) -> Path:
+    def save(self, manager: WholeStateWrites, step: int, state: Any) -> Path:
         """Write ``state`` as the checkpoint of ``step`` now; every rank calls this and gets
         the checkpoint's path (or the same :class:`CheckpointError`)."""
         return manager.write_whole(step, state)
 
-    def start(self, manager: CheckpointManager, step: int, state: Any) -> Callable[[], Path] | None:
+    def start(self, manager: WholeStateWrites, step: int, state: Any) -> Callable[[], Path] | None:
         """Copy what the write needs now (the only part the step waits for) and return the
         write to run in a background thread; None on a rank that writes nothing."""
         return manager.snapshot_whole(step, state)
