@@ -18,7 +18,7 @@ def import_plugin_module(module: str, distribution: str) -> Any:
         # Only the plugin itself being absent is translated; a missing dependency *inside* an
         # installed plugin keeps its own, more precise error.
         if exc.name and (exc.name == module or module.startswith(exc.name + ".")):
-            from speedtronic.plugins import install_command
+            from speedtronic.install_hints import install_command
 
             raise ImportError(
                 f"{module} is provided by the {distribution} distribution, which is not "

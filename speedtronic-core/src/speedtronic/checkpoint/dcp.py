@@ -34,7 +34,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -57,11 +57,8 @@ from speedtronic.checkpoint.names import (
     TENSORS,
     checkpoint_name,
 )
-from speedtronic.checkpoint.writer import CheckpointWriter
+from speedtronic.checkpoint.writer import CheckpointWriter, SaveTarget
 from speedtronic.errors import CheckpointError
-
-if TYPE_CHECKING:  # the reader reads sharded checkpoints through this module
-    from speedtronic.checkpoint.manager import CheckpointManager
 
 __all__ = [
     "DCP_DIR",
@@ -101,11 +98,11 @@ def is_sharded_checkpoint(path: Path) -> bool:
 
 # ---------------------------------------------------------------------- writing
 class ShardedWriter(CheckpointWriter):
-    """The ``writer`` of a :class:`CheckpointManager` whose run shards ``model`` and
-    ``optimizer`` (``parallel.strategy: fsdp``): each of the manager's saves
-    (:meth:`~CheckpointManager.save_now`, :meth:`~CheckpointManager.maybe_save`) becomes a
-    :func:`save_sharded_checkpoint` on every rank; with ``checkpoint.async_save`` the manager
-    calls :meth:`start` instead and runs the write it returns in a background thread."""
+    """The ``writer`` of a :class:`~speedtronic.checkpoint.CheckpointManager` whose run
+    shards ``model`` and ``optimizer`` (``parallel.strategy: fsdp``): each of the manager's
+    saves (``save_now``, ``maybe_save``) becomes a :func:`save_sharded_checkpoint` on every
+    rank; with ``checkpoint.async_save`` the manager calls :meth:`start` instead and runs the
+    write it returns in a background thread."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model = model
@@ -114,12 +111,10 @@ class ShardedWriter(CheckpointWriter):
 
     per_rank = True
 
-    def save(self, manager: CheckpointManager, step: int, state: dict[str, Any]) -> Path:
+    def save(self, manager: SaveTarget, step: int, state: dict[str, Any]) -> Path:
         return save_sharded_checkpoint(manager, step, state, self.model, self.optimizer)
 
-    def start(
-        self, manager: CheckpointManager, step: int, state: dict[str, Any]
-    ) -> Callable[[], Path]:
+    def start(self, manager: SaveTarget, step: int, state: dict[str, Any]) -> Callable[[], Path]:
         """Every rank, at the save step: copy this rank's shards (and, on rank 0, the rest of
         the state) to CPU memory, the only part the step waits for; returns the write to run
         in a background thread (every rank runs its own): the same collective save, commit
@@ -142,7 +137,7 @@ class ShardedWriter(CheckpointWriter):
 
 
 def save_sharded_checkpoint(
-    manager: CheckpointManager,
+    manager: SaveTarget,
     step: int,
     state: dict[str, Any],
     model: nn.Module,
@@ -159,7 +154,7 @@ def save_sharded_checkpoint(
     return _retrying(manager, lambda: _save_once(manager, step, encoded, tensors, parallel))
 
 
-def _retrying(manager: CheckpointManager, attempt: Callable[[], Path]) -> Path:
+def _retrying(manager: SaveTarget, attempt: Callable[[], Path]) -> Path:
     try:
         return attempt()
     except CheckpointError as exc:
@@ -182,7 +177,7 @@ def _encode(step: int, state: dict[str, Any], copy: bool = False) -> tuple[str, 
 
 
 def _save_once(
-    manager: CheckpointManager,
+    manager: SaveTarget,
     step: int,
     encoded: tuple[str, dict] | str | None,
     tensors: dict[str, Any],
@@ -228,12 +223,12 @@ def _save_once(
     if problem:
         raise CheckpointError(problem)
     if parallel.is_main:
-        manager._apply_retention(step)
+        manager.apply_retention(step)
     parallel.barrier()  # no rank reads the directory before retention is done
     return final
 
 
-def _failure(manager: CheckpointManager, name: str, exc: BaseException) -> str:
+def _failure(manager: SaveTarget, name: str, exc: BaseException) -> str:
     return (
         f"could not write checkpoint {name} in {manager.directory}: "
         f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''} "
@@ -262,7 +257,7 @@ def _split_weights(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[
 
 
 def _finish(
-    manager: CheckpointManager,
+    manager: SaveTarget,
     staging: Path,
     final: Path,
     step: int,
@@ -291,7 +286,7 @@ def _finish(
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
     fsync_file(staging / MANIFEST)
     fsync_dir(staging)
-    manager._move_into_place(staging, final)
+    manager.move_into_place(staging, final)
     atomic_write_text(
         manager.directory / POINTER,
         json.dumps({"checkpoint": final.name, "step": step, "format": FORMAT_VERSION}) + "\n",

@@ -368,7 +368,7 @@ class CheckpointManager(CheckpointReader):
                 f"could not write checkpoint {name} in {self.directory}: "
                 f"{type(exc).__name__}: {exc} ({free_space(self.directory)})"
             ) from None
-        self._apply_retention(step)
+        self.apply_retention(step)
         log.debug("checkpoint %s written", final)
         return final
 
@@ -388,7 +388,7 @@ class CheckpointManager(CheckpointReader):
             fsync_file(staging / MANIFEST)
             fsync_dir(staging)
             final = self.directory / name
-            self._move_into_place(staging, final)
+            self.move_into_place(staging, final)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -402,7 +402,9 @@ class CheckpointManager(CheckpointReader):
                 )
         return final
 
-    def _move_into_place(self, staging: Path, final: Path) -> None:
+    def move_into_place(self, staging: Path, final: Path) -> None:
+        """Rename a fully written, fsynced ``staging`` directory to ``final`` (replacing a
+        checkpoint of the same step) and fsync the directory."""
         if final.exists():
             # Re-saving a step, normally after resuming from an older checkpoint, so latest.json
             # names that older one and a crash between the two renames is harmless. (Should it
@@ -418,7 +420,8 @@ class CheckpointManager(CheckpointReader):
             os.replace(staging, final)
             fsync_dir(self.directory)
 
-    def _apply_retention(self, step: int) -> None:
+    def apply_retention(self, step: int) -> None:
+        """Delete the checkpoints older than ``step`` past ``keep_last`` (never the best one)."""
         # Only checkpoints older than the new one count: a higher-numbered directory is either
         # one that failed verification on resume (it is replaced when the run gets there) or
         # one from an earlier run in the same directory, which is not ours to delete.

@@ -11,15 +11,29 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
-__all__ = ["CheckpointWriter", "WholeStateWrites"]
+from speedtronic.checkpoint.policy import SavePolicy
+from speedtronic.parallel.context import ParallelContext
+
+__all__ = ["CheckpointWriter", "SaveTarget"]
 
 
-class WholeStateWrites(Protocol):
-    """What a writer needs of the manager it writes for (the manager's whole-state format)."""
+class SaveTarget(Protocol):
+    """What a writer needs of the :class:`~speedtronic.checkpoint.CheckpointManager` it writes
+    for: its directory, ranks and retry policy, its whole-state format, and the two steps of
+    the shared layout every writer ends with (a staged checkpoint renamed into place, then the
+    retention rule)."""
+
+    directory: Path
+    parallel: ParallelContext
+    policy: SavePolicy
 
     def write_whole(self, step: int, state: Any) -> Path: ...
 
     def snapshot_whole(self, step: int, state: Any) -> Callable[[], Path] | None: ...
+
+    def move_into_place(self, staging: Path, final: Path) -> None: ...
+
+    def apply_retention(self, step: int) -> None: ...
 
 
 class CheckpointWriter:
@@ -31,12 +45,12 @@ class CheckpointWriter:
     per_rank: ClassVar[bool] = False
     """Every rank writes (and, with ``async_save``, runs a background write) of its own."""
 
-    def save(self, manager: WholeStateWrites, step: int, state: Any) -> Path:
+    def save(self, manager: SaveTarget, step: int, state: Any) -> Path:
         """Write ``state`` as the checkpoint of ``step`` now; every rank calls this and gets
         the checkpoint's path (or the same :class:`CheckpointError`)."""
         return manager.write_whole(step, state)
 
-    def start(self, manager: WholeStateWrites, step: int, state: Any) -> Callable[[], Path] | None:
+    def start(self, manager: SaveTarget, step: int, state: Any) -> Callable[[], Path] | None:
         """Copy what the write needs now (the only part the step waits for) and return the
         write to run in a background thread; None on a rank that writes nothing."""
         return manager.snapshot_whole(step, state)
