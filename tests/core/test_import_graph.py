@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import ast
 import itertools
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,3 +232,37 @@ def test_the_walker_sees_relative_function_level_and_type_checking_imports(
     assert graph["pkg.c"] == {"pkg.b": 1}
     assert circles(graph) == [["pkg.a", "pkg.b"]]
     assert one_loop(graph, ["pkg.a", "pkg.b"]) == ["pkg.a", "pkg.b", "pkg.a"]
+
+
+FIRST_IMPORTS = """
+import importlib, sys, traceback
+import torch  # noqa: F401 - imported once: only speedtronic's own modules are re-imported
+failed = []
+for name in sys.argv[1:]:
+    for loaded in [m for m in sys.modules if m == "speedtronic" or m.startswith("speedtronic.")]:
+        del sys.modules[loaded]
+    try:
+        importlib.import_module(name)
+    except Exception:
+        failed.append(name + ": " + traceback.format_exc().strip().splitlines()[-1])
+print("\\n".join(failed))
+"""
+
+
+def test_every_core_module_imports_as_the_first_of_its_package() -> None:
+    """What the graph above leaves out (a package's ``__init__`` runs before its submodule)
+    can still close a loop at runtime: each module of core, imported first in a clean
+    ``speedtronic`` namespace, must import."""
+    names = sorted(
+        name
+        for name, module in discover().items()
+        if module.distribution == "speedtronic-core" and module.path.name != "__main__.py"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", FIRST_IMPORTS, *names],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "", done.stdout

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from speedtronic.checkpoint.policy import SavePolicy
-from speedtronic.parallel.context import ParallelContext
+
+if TYPE_CHECKING:  # not at runtime: importing speedtronic.parallel imports this module
+    from speedtronic.parallel.context import ParallelContext
 
 __all__ = ["CheckpointWriter", "SaveTarget"]
 
