@@ -132,6 +132,37 @@ def test_a_master_that_lost_its_lease_stops_at_its_next_poll(tmp_path: Path) -> 
         mine.release()
 
 
+def test_a_fenced_housekeeping_write_says_lease_lost_like_a_renewal(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store may refuse any of the outer thread's writes first (under load a deletion of
+    processed deltas can come before the next renewal): the run says 'master lease lost' in
+    one line whichever it was, not only when the renewal or a publication saw it."""
+    store = SharedDirectoryTransport(tmp_path / "store")
+    store.create_store()
+    mine = keeper(store, "m")
+    mine.acquire()  # not started: no renewal can notice the loss here
+    loop = make_master(store, tmp_path, start=weights(), lease=mine)
+    refusal = LeaseLostError("delete: refused: 'm2' holds the lease with epoch 2")
+
+    def fenced_round(abort: object = None) -> None:
+        raise refusal
+
+    monkeypatch.setattr(loop, "tick", fenced_round)
+    with caplog.at_level("ERROR", logger="speedtronic.diloco.lease"):
+        loop.start(0.05)
+        try:
+            wait_for(lambda: not loop.running, what="the outer thread to stop")
+        finally:
+            loop.stop()
+    assert loop.failure is refusal
+    assert mine.lost == str(refusal)
+    lines = [r.getMessage() for r in caplog.records if "master lease lost" in r.getMessage()]
+    assert lines == [f"master lease lost: {refusal}. This master stops publishing."]
+    with pytest.raises(LeaseLostError):
+        mine.check()
+
+
 def test_release_lets_a_successor_start_without_take_over(store: Transport) -> None:
     first = keeper(store, "m1")
     first.acquire()

@@ -38,7 +38,13 @@ from speedtronic_diloco.master.round_policy import RoundDecision, RoundPolicy
 from speedtronic_diloco.membership import Membership
 from speedtronic_diloco.retry import RetryPolicy
 from speedtronic_diloco.tensors import TensorDict
-from speedtronic_diloco.transports.base import DeltaInfo, GlobalMetadata, LeaseError, Transport
+from speedtronic_diloco.transports.base import (
+    DeltaInfo,
+    GlobalMetadata,
+    LeaseError,
+    LeaseLostError,
+    Transport,
+)
 
 __all__ = ["MasterOuterLoop", "OuterLoopStopped"]
 
@@ -407,7 +413,11 @@ class MasterOuterLoop(OuterStateKeeper):
                         self.lease.check()
                     self.publish_if_behind()
                     self.tick(abort=self._stop)
-                except LeaseError:  # another master took over: this one must stop
+                except LeaseError as exc:  # another master took over: this one must stop
+                    if isinstance(exc, LeaseLostError) and self.lease is not None:
+                        # Whichever fenced write met the new holder first (a publication, a
+                        # deletion, a renewal), the lease keeper says so in its one line.
+                        self.lease.mark_lost(str(exc))
                     raise
                 except Exception:  # the outer thread must outlive one bad round
                     log.exception("outer round failed")
