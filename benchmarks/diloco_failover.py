@@ -53,7 +53,14 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from diloco_processes import Process, global_outer_step, run_finished_exit, start, train_process
+from diloco_processes import (
+    Process,
+    global_outer_step,
+    read_events,
+    run_finished_exit,
+    start,
+    train_process,
+)
 from diloco_quality import DEFAULT_CORPUS, DEMO_CONFIG, prepare_corpus
 from results import emit
 
@@ -96,16 +103,7 @@ def node_config(args: argparse.Namespace, shards: Path, vocab: int, store: Path)
 
 def events(process: Process, name: str | None = None) -> list[dict[str, Any]]:
     """``process``'s metric events (``name`` only); a half-written last line is skipped."""
-    found = []
-    if process.events.exists():
-        for line in process.events.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if name is None or record.get("event") == name:
-                found.append(record)
-    return found
+    return [e for e in read_events(process.events) if name is None or e.get("event") == name]
 
 
 class Observer:

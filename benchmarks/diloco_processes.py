@@ -194,6 +194,15 @@ def finished(process: Process) -> bool:
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:
+    """The JSONL metric events at ``path`` (none before it exists). A last line that does not
+    parse is one the live run is still writing and is left out; any other raises."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    found = [json.loads(line) for line in lines[:-1]]
+    if lines:
+        try:
+            found.append(json.loads(lines[-1]))
+        except json.JSONDecodeError:
+            pass
+    return found

@@ -6,7 +6,6 @@ every wait is a bounded poll on a condition.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -22,7 +21,7 @@ from core.plugin_fixtures import plugin_env, run_python
 from core.toy_runs import TINY_TRANSFORMER, tiny_transformer_run, train
 from core.toy_runs import metric_events as events
 
-from speedtronic.checkpoint import POINTER, CheckpointManager, checkpoint_name
+from speedtronic.checkpoint import CheckpointManager, checkpoint_name, step_of
 
 pytestmark = pytest.mark.slow
 
@@ -67,10 +66,8 @@ def output(jsonl: Path) -> str:
 
 def pointed_step(checkpoints: Path) -> int:
     """The step ``latest.json`` names, -1 while there is none (replaced atomically)."""
-    try:
-        return int(json.loads((checkpoints / POINTER).read_text())["step"])
-    except FileNotFoundError:
-        return -1
+    target = CheckpointManager(checkpoints).pointer_target()
+    return -1 if target is None else step_of(target.name) or -1
 
 
 def losses(jsonl: Path) -> dict[int, float]:
