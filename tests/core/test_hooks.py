@@ -3,9 +3,11 @@ manager; the trainer's hooks are driven by tiny real training runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import logging
+import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +19,7 @@ from core.toy_runs import Bigram, merge_sections
 from torch import nn
 
 import speedtronic
-from speedtronic import cli, hookimpl, hookspecs, plugins
+from speedtronic import cli, config_sections, hookimpl, hookspecs, plugins
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.data import build_dataloader
 from speedtronic.errors import ConfigError
@@ -173,6 +175,18 @@ def runs(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> RecordedR
     finally:
         plugins.unregister(name)
     return RecordedRuns(first, resumed, result.steps, again.steps, again.resumed_from)
+
+
+def test_the_config_a_hook_sees_is_the_whole_config() -> None:
+    """``ConfigLike`` (the hook contract's type of ``trainer.config``) names every field of
+    ``SpeedtronicConfig`` with the same type, in the same order: a section added to the config
+    and not to the contract (or the other way round) fails here."""
+    # The contract imports the section types for annotations only: resolve them here.
+    contract = typing.get_type_hints(speedtronic.ConfigLike, vars(config_sections))
+    fields = typing.get_type_hints(SpeedtronicConfig)
+    assert list(contract) == [field.name for field in dataclasses.fields(SpeedtronicConfig)]
+    assert contract == {name: fields[name] for name in contract}
+    assert speedtronic.TrainerLike.__annotations__["config"] == "ConfigLike"
 
 
 def test_hook_on_train_start(runs: RecordedRuns) -> None:

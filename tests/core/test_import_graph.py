@@ -3,11 +3,13 @@
 The graph is read statically with :mod:`ast`, so a module that cannot be imported here (an
 optional dependency missing) is still checked. Every ``import`` and ``from ... import`` counts,
 absolute or relative, at module level or inside a function: a function-level import only
-postpones a circle to the first call, it does not remove the knot in the design. Two kinds of
-statement are left out, each because it never runs as an import at runtime: those under
-``if TYPE_CHECKING:`` (type-checkers only) and imports of a module of the same package's
-``__init__`` from a submodule through its parent name (``from speedtronic import errors`` is an
-edge to ``speedtronic.errors``, not to ``speedtronic/__init__.py``, when ``errors`` is a module).
+postpones a circle to the first call, it does not remove the knot in the design; and an
+import under ``if TYPE_CHECKING:`` counts too: it never runs, but two modules that each need
+the other's types are one knot all the same (the usual way out is a structural protocol on the
+side that only reads, as ``speedtronic.run.ConfigLike`` and ``speedtronic_models.export.
+LlamaLayout`` are). An import of a module through its parent package's name is an edge to that
+module (``from speedtronic import errors`` is an edge to ``speedtronic.errors``, not to
+``speedtronic/__init__.py``, when ``errors`` is a module).
 Importing ``a.b.c`` executes ``a/__init__.py`` first; that implicit edge is not drawn either,
 or every package whose ``__init__`` re-exports its submodules would be a circle by definition.
 
@@ -55,25 +57,11 @@ def discover() -> dict[str, Module]:
     return modules
 
 
-def _type_checking_only(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _import_nodes(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Every import statement, at any depth, except those under ``if TYPE_CHECKING:``."""
-    stack: list[ast.AST] = [tree]
-    while stack:
-        node = stack.pop()
+    """Every import statement, at any depth (functions, ``if TYPE_CHECKING:`` blocks, ...)."""
+    for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _type_checking_only(child):
-                stack.extend(child.orelse)
-                continue
-            stack.append(child)
 
 
 def _resolve(module: Module, node: ast.ImportFrom) -> str:
@@ -228,9 +216,9 @@ def test_the_walker_sees_relative_function_level_and_type_checking_imports(
     }
     modules["pkg"] = Module("pkg", package / "__init__.py", "x")
     graph = edges(modules)
-    assert graph["pkg.a"] == {"pkg.b": 2} and graph["pkg.b"] == {"pkg.a": 4}
+    assert graph["pkg.a"] == {"pkg.b": 2} and graph["pkg.b"] == {"pkg.c": 3, "pkg.a": 4}
     assert graph["pkg.c"] == {"pkg.b": 1}
-    assert circles(graph) == [["pkg.a", "pkg.b"]]
+    assert circles(graph) == [["pkg.a", "pkg.b", "pkg.c"]]
     assert one_loop(graph, ["pkg.a", "pkg.b"]) == ["pkg.a", "pkg.b", "pkg.a"]
 
 

@@ -19,13 +19,14 @@ from speedtronic.errors import (
 from speedtronic.hookspecs import hookimpl
 from speedtronic.registry import build_model_from_hook as build_model
 from speedtronic.registry import register_model
-from speedtronic.run import TrainerLike
+from speedtronic.run import ConfigLike, TrainerLike
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
     "ConfigError",
+    "ConfigLike",
     "DataError",
     "PluginError",
     "SpeedtronicConfig",

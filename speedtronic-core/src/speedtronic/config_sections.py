@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from speedtronic.errors import ConfigError
-from speedtronic.registry import IMPORT_PATH
 from speedtronic.schema import (
+    IMPORT_PATH,
     Section,
     option,
 )

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from speedtronic.errors import ConfigError, PluginError
 from speedtronic.hookspecs import hookimpl
-from speedtronic.schema import suggest_key
+from speedtronic.schema import IMPORT_PATH, suggest_key
 
 __all__ = [
     "IMPORT_PATH",
@@ -82,10 +82,6 @@ def build_model(name: str, params: dict[str, Any]) -> Any:
         return None
     _check_params(name, factory, params)
     return factory(**params)
-
-
-# `package.module:attribute`, the form entry points use.
-IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 
 def import_factory(path: str, where: str = "model.name") -> Callable[..., Any]:

@@ -1,8 +1,12 @@
-"""The run as a plugin sees it: :class:`TrainerLike`, the type of every hook's ``trainer``.
+"""The run as a plugin sees it: :class:`TrainerLike`, the type of every hook's ``trainer``,
+and :class:`ConfigLike`, the type of its ``config``.
 
-A structural protocol rather than the :class:`~speedtronic.trainer.Trainer` class, so the hook
-contract names exactly what a plugin may rely on, a test can hand a hook a small object of its
-own, and importing the contract stays as light as ``hookspecs`` (no torch at import time).
+Structural protocols rather than the :class:`~speedtronic.trainer.Trainer` and
+:class:`~speedtronic.config.SpeedtronicConfig` classes, so the hook contract names exactly what
+a plugin may rely on, a test can hand a hook a small object of its own, and importing the
+contract stays as light as ``hookspecs`` (no torch at import time). ``ConfigLike`` also keeps
+the contract below the config loader, which asks the plugins for their sections: the hook
+contract needs the section types, not the loader.
 """
 
 from __future__ import annotations
@@ -12,10 +16,49 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:  # annotations only: this module is imported by the hook contract
     from torch import nn
 
-    from speedtronic.config import SpeedtronicConfig
+    from speedtronic.config_sections import (
+        CheckpointConfig,
+        CompileConfig,
+        DataConfig,
+        EvalConfig,
+        LoggingConfig,
+        ModelConfig,
+        OOOBackpropConfig,
+        OptimizerConfig,
+        ParallelConfig,
+        PrecisionConfig,
+        ProfileConfig,
+        RunConfig,
+        SchedulerConfig,
+    )
     from speedtronic.parallel.context import ParallelContext
 
-__all__ = ["TrainerLike"]
+__all__ = ["ConfigLike", "TrainerLike"]
+
+
+class ConfigLike(Protocol):
+    """The validated config of a run as a hook sees it: the core sections, typed, and each
+    plugin's section as an attribute (``config.distributed``) and in ``plugins``.
+    :class:`~speedtronic.config.SpeedtronicConfig` is one (a test keeps the two in step)."""
+
+    run: RunConfig
+    model: ModelConfig
+    data: DataConfig
+    optimizer: OptimizerConfig
+    scheduler: SchedulerConfig
+    precision: PrecisionConfig
+    compile: CompileConfig
+    ooo_backprop: OOOBackpropConfig
+    gradient_checkpointing: bool
+    checkpoint: CheckpointConfig
+    eval: EvalConfig
+    parallel: ParallelConfig
+    logging: LoggingConfig
+    profile: ProfileConfig
+    plugins: dict[str, Any]
+
+    def __getattr__(self, name: str) -> Any:
+        """A plugin's section by name."""
 
 
 @runtime_checkable
@@ -29,7 +72,7 @@ class TrainerLike(Protocol):
     ``eval`` section.
     """
 
-    config: SpeedtronicConfig
+    config: ConfigLike
     model: nn.Module
     optimizer: Any
     step: int

@@ -25,6 +25,7 @@ from speedtronic.errors import ConfigError
 
 __all__ = [
     "BOUNDS",
+    "IMPORT_PATH",
     "REDACTED",
     "Section",
     "build_section",
@@ -39,6 +40,8 @@ __all__ = [
     "without_secrets",
 ]
 
+# `package.module:attribute`, the form entry points use (a factory or hook named in YAML).
+IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}
 # The bounds option() accepts: (keyword, test, symbol), in the order they are checked and shown.

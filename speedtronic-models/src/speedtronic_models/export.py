@@ -27,26 +27,24 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from torch import Tensor
+from torch import Tensor, nn
 
 from speedtronic import ConfigError
 from speedtronic.checkpoint.fileio import read_regular, regular_file_problem
 from speedtronic_models.config import TransformerConfig
 
-if TYPE_CHECKING:  # annotations only: model.py imports this module for init_from
-    from speedtronic_models.model import ReferenceTransformer
-
 __all__ = [
     "CONFIG_FILE",
     "GENERATION_CONFIG_FILE",
     "WEIGHTS_FILE",
+    "LlamaLayout",
     "from_hf_state_dict",
     "llama_config",
     "load_llama",
@@ -59,6 +57,28 @@ WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 WHERE = "model.init_from"
+
+
+class LlamaLayout(Protocol):
+    """What export and import read of a reference model: its config, the token embedding,
+    the final norm and the blocks (each with ``attn_norm``, ``attn.qkv``, ``attn.out``,
+    ``mlp_norm``, ``mlp.gate_up``, ``mlp.down``).
+
+    A structural type, so this module does not import ``model.py`` (which imports this one
+    for ``init_from``); :class:`~speedtronic_models.model.ReferenceTransformer` is one.
+    """
+
+    config: TransformerConfig
+    tok_emb: nn.Embedding
+    norm: nn.Module
+    blocks: nn.ModuleList
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any: ...
+
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -107,7 +127,7 @@ def llama_config(
     }
 
 
-def to_hf_state_dict(model: ReferenceTransformer) -> dict[str, Tensor]:
+def to_hf_state_dict(model: LlamaLayout) -> dict[str, Tensor]:
     """The model's weights under Llama's names, fused projections split (contiguous copies)."""
     config = model.config
     q_rows = config.n_head * config.head_dim
@@ -164,7 +184,7 @@ def from_hf_state_dict(tensors: Mapping[str, Tensor], n_layer: int) -> dict[str,
 
 
 def write_llama(
-    model: ReferenceTransformer,
+    model: LlamaLayout,
     directory: str | os.PathLike[str],
     eos_token_id: int | None = None,
     bos_token_id: int | None = None,
@@ -190,7 +210,7 @@ def _write_json(path: Path, data: Any) -> None:
 # ---------------------------------------------------------------- import
 
 
-def load_llama(model: ReferenceTransformer, directory: Any) -> None:
+def load_llama(model: LlamaLayout, directory: Any) -> None:
     """Load the Llama-format folder ``directory`` (``config.json`` + safetensors weights, local
     only) into ``model``.
 
@@ -409,9 +429,7 @@ def _check_finite(tensors: Mapping[str, Tensor], dtype: torch.dtype, folder: Pat
         )
 
 
-def _shape_problems(
-    shapes: Mapping[str, tuple[int, ...]], model: ReferenceTransformer
-) -> list[str]:
+def _shape_problems(shapes: Mapping[str, tuple[int, ...]], model: LlamaLayout) -> list[str]:
     """Missing, unexpected and wrongly shaped tensors, by their Hugging Face names."""
     expected = _expected_shapes(model)
     problems = []
@@ -427,7 +445,7 @@ def _shape_problems(
     return problems
 
 
-def _expected_shapes(model: ReferenceTransformer) -> dict[str, tuple[int, ...]]:
+def _expected_shapes(model: LlamaLayout) -> dict[str, tuple[int, ...]]:
     config = model.config
     d, hd, hidden = config.d_model, config.head_dim, config.ffn_hidden
     shapes: dict[str, tuple[int, ...]] = {
