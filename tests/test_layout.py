@@ -1,10 +1,14 @@
 """The shape of every distribution's source: no room too big (files of at most 650 lines,
-classes of at most 400). Import circles: tests/core/test_import_graph.py."""
+classes of at most 400, a class counted together with the classes of this repository it
+inherits from: a mixin split off a big class is the same room). Import circles:
+tests/core/test_import_graph.py."""
 
 from __future__ import annotations
 
 import ast
 import importlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -53,18 +57,125 @@ def test_diloco_transports_depend_on_nothing_above_them() -> None:
     assert all(not graph[leaf] for leaf in leaves)
 
 
+@dataclass
+class ClassRoom:
+    """One class of the repository: where it is, its own lines, the classes of the repository
+    it names as bases."""
+
+    module: str
+    name: str
+    path: Path
+    lines: int
+    bases: list[tuple[str, str]] = field(default_factory=list)
+
+
+def _imported_names(tree: ast.Module) -> dict[str, tuple[str, str]]:
+    """``local name -> (module, name)`` for every ``from module import name [as local]``."""
+    names: dict[str, tuple[str, str]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                names[alias.asname or alias.name] = (node.module, alias.name)
+    return names
+
+
+def class_rooms(packages: list[str]) -> dict[tuple[str, str], ClassRoom]:
+    """Every class of ``packages`` by (module, name), each with its in-repository bases (a
+    base named directly, or imported by name from a module of the repository, also through
+    a package that re-exports it)."""
+    rooms: dict[tuple[str, str], ClassRoom] = {}
+    pending: list[tuple[ClassRoom, list[ast.expr], dict[str, tuple[str, str]]]] = []
+    for package in packages:
+        root = package_dir(package)
+        for path in sorted(root.rglob("*.py")):
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            module = module_name(root, path)
+            imported = _imported_names(tree)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ClassDef):
+                    size = (node.end_lineno or node.lineno) - node.lineno + 1
+                    room = ClassRoom(module, node.name, path, size)
+                    rooms[(module, node.name)] = room
+                    pending.append((room, node.bases, imported))
+    exports = {key: key for key in rooms}
+    for package in packages:  # `from speedtronic.checkpoint import X` where X lives deeper
+        root = package_dir(package)
+        for path in root.rglob("__init__.py"):
+            package_name = module_name(root, path)
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            for local, target in _imported_names(tree).items():
+                if target in rooms:
+                    exports[(package_name, local)] = target
+    for room, bases, imported in pending:
+        for base in bases:
+            if isinstance(base, ast.Name):
+                target = imported.get(base.id, (room.module, base.id))
+                if target in exports:
+                    room.bases.append(exports[target])
+    return rooms
+
+
+def with_bases(rooms: dict[tuple[str, str], ClassRoom], key: tuple[str, str]) -> Iterator[str]:
+    """The class and every in-repository class it inherits from, each once (as module.name)."""
+    seen: set[tuple[str, str]] = set()
+    stack = [key]
+    while stack:
+        current = stack.pop()
+        if current in seen or current not in rooms:
+            continue
+        seen.add(current)
+        yield ".".join(current)
+        stack.extend(rooms[current].bases)
+
+
+def room_size(rooms: dict[tuple[str, str], ClassRoom], key: tuple[str, str]) -> int:
+    return sum(rooms[tuple(name.rsplit(".", 1))].lines for name in with_bases(rooms, key))
+
+
+# Classes over the limit once their bases are counted, when that counting began (issue 42),
+# with their size then: each may shrink, none may grow, and one that gets under the limit
+# leaves this table (the test says so). Nothing joins it.
+OVER_THE_LIMIT_WITH_BASES = {
+    "speedtronic.checkpoint.manager.CheckpointManager": 569,
+    "speedtronic_diloco.master.loop.MasterOuterLoop": 623,
+    "speedtronic_diloco.transports.hub.HubTransport": 690,
+    "speedtronic_diloco.transports.shared_dir.SharedDirectoryTransport": 593,
+}
+
+
 @pytest.mark.parametrize("package", PACKAGES)
 def test_no_room_is_too_big(package: str) -> None:
     root = package_dir(package)
     too_big = []
     for path in sorted(root.rglob("*.py")):
-        text = path.read_text(encoding="utf-8")
-        lines = text.count("\n")
+        lines = path.read_text(encoding="utf-8").count("\n")
         if lines > MAX_FILE_LINES:
             too_big.append(f"{path.relative_to(root)}: {lines} lines")
-        for node in ast.walk(ast.parse(text)):
-            if isinstance(node, ast.ClassDef):
-                size = (node.end_lineno or node.lineno) - node.lineno + 1
-                if size > MAX_CLASS_LINES:
-                    too_big.append(f"{path.relative_to(root)}: class {node.name}, {size} lines")
+    rooms = class_rooms(PACKAGES)
+    for key, room in sorted(rooms.items()):
+        if room.module.split(".")[0] != package:
+            continue
+        size, name = room_size(rooms, key), ".".join(key)
+        counted = ", ".join(with_bases(rooms, key))
+        where = f"{room.path.relative_to(root)}: class {room.name}, {size} lines ({counted})"
+        if room.lines > MAX_CLASS_LINES:
+            too_big.append(where)
+        elif name in OVER_THE_LIMIT_WITH_BASES:
+            if size > OVER_THE_LIMIT_WITH_BASES[name]:
+                too_big.append(f"{where}: grew past {OVER_THE_LIMIT_WITH_BASES[name]}")
+            elif size <= MAX_CLASS_LINES:
+                too_big.append(f"{where}: under the limit now, take it out of the table")
+        elif size > MAX_CLASS_LINES:
+            too_big.append(where)
     assert not too_big, too_big
+
+
+def test_a_class_is_counted_with_its_bases_of_this_repository() -> None:
+    """The walker finds a base class imported from another module of the repository and adds
+    its lines (a mixin split off a big class would count with it)."""
+    rooms = class_rooms(PACKAGES)
+    child = ("speedtronic.parallel.builtin", "DataParallel")
+    base = ("speedtronic.parallel.strategy", "ParallelStrategy")
+    assert rooms[child].bases == [base] and rooms[base].bases == []
+    assert room_size(rooms, child) == rooms[child].lines + rooms[base].lines
+    assert list(with_bases(rooms, child)) == [".".join(child), ".".join(base)]

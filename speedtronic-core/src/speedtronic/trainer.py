@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import islice
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,7 +25,6 @@ from speedtronic.batch import (
 )
 from speedtronic.checkpoint import (
     CheckpointManager,
-    checkpoint_name,
 )
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.data import DataSource, repeat_epochs
@@ -89,7 +89,7 @@ STEP_KEYS = frozenset(
 )
 
 
-class Trainer(TrainerState):
+class Trainer:
     """Runs optimizer steps on ``model`` until ``config.run.max_steps``.
 
     ``data`` is a :class:`~speedtronic.data.DataSource` (resumable) or any iterable of
@@ -168,7 +168,8 @@ class Trainer(TrainerState):
         self.resumed_from: int | None = None
         # The last loss read at the log cadence; kept so a run that fails still reports it.
         self.last_loss: float | None = None
-        self._resumed_rng: dict[str, Any] | None = None
+        # Builds, writes, resumes and loads this run's checkpoint state.
+        self.checkpointing = TrainerState(self)
         # One optimizer step: micro-batches, backward, clipping, the GradScaler, the counts.
         self.train_step = TrainStep(parts, self.emit)
         # Counted at train start (speedtronic.flops); the profiler window, when configured.
@@ -222,6 +223,36 @@ class Trainer(TrainerState):
             lambda name, exc: self.metrics.warn_once(f"plugin {name}", exc),
         )
 
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue this run exactly (plugins add theirs via hooks).
+        Under FSDP ``model`` and ``optimizer`` hold this rank's shards (DTensors); for the
+        whole model on the CPU use :func:`speedtronic.fsdp.full_model_state`."""
+        return self.checkpointing.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any], shards: Path | None = None) -> None:
+        """Restore a state produced by :meth:`state_dict` (plugins restore theirs via hooks).
+        ``shards``: the ``dcp/`` folder of a sharded checkpoint whose model and optimizer
+        tensors are loaded from there (resharded to this run), not from ``state``.
+
+        Raises :class:`CheckpointError` when the state does not fit this model or optimizer.
+        """
+        self.checkpointing.load_state_dict(state, shards)
+
+    def save_checkpoint(self) -> Path:
+        """Durably write a checkpoint of the current state now; returns its directory.
+
+        A failed save (disk full, I/O error) is retried once after
+        ``checkpoint.save_retry_pause`` seconds; a second failure raises
+        :class:`CheckpointError`, with the previous checkpoints intact and this trainer's state
+        still in memory (a caller may free space and call this again)."""
+        return self.checkpointing.save_now()
+
+    def request_stop(self) -> None:
+        """Stop the run after the optimizer step in progress, with a checkpoint at that step,
+        as a stop signal does (safe to call from another thread or a hook)."""
+        self._stop.request()
+
     # ------------------------------------------------------------------ loop
     def _batches(self) -> Iterator[Any]:
         if isinstance(self.data, DataSource):
@@ -252,7 +283,7 @@ class Trainer(TrainerState):
     def _fit(self) -> TrainResult:
         self.model.train()
         if self.config.checkpoint.resume:
-            self._resume()
+            self.checkpointing.resume()
         else:
             self.checkpoints.refuse_to_overwrite(self.step)
         max_steps = self.config.run.max_steps
@@ -284,25 +315,7 @@ class Trainer(TrainerState):
                 self.parallel.rank,
                 self.parallel.is_main,
             )
-            self.emit(
-                "train_start",
-                {
-                    "step": self.step,
-                    "start_step": self.step,
-                    "max_steps": max_steps,
-                    "device": self.device.type,
-                    "threads": torch.get_num_threads(),
-                    "precision": self.precision.mode,
-                    "accumulation_steps": self.accumulation_steps,
-                    "compiled": self.compiled.active,
-                    **self.flops.start_fields(),
-                    "data": {
-                        "source": getattr(self.data, "description", type(self.data).__name__),
-                        "split": getattr(self.data, "split", "") or "not split",
-                    },
-                    "config": self.config.to_dict(redact=True),
-                },
-            )
+            self.emit("train_start", train_start_payload(self, max_steps))
             if self.device.type == "cpu":
                 self.threads = ThreadGovernor.for_setting(
                     self.config.run.threads, torch.get_num_threads(), torch.set_num_threads
@@ -310,13 +323,11 @@ class Trainer(TrainerState):
             with StopSignals(self.config.run.stop_signals, self._stop):
                 final_loss = self._loop(max_steps)
                 if not self._stop.agreed:
-                    self._report_saved(
-                        self.checkpoints.maybe_save(self.step, self._checkpoint_state, final=True)
-                    )
+                    self.checkpointing.save_due(final=True)
                     if self.config.eval.runs_at_end and self._last_eval_step != self.step:
                         self.evaluate()
                 # Never return (nor exit 0) with a checkpoint still being written.
-                self._report_saved(self.checkpoints.wait())
+                self.checkpointing.wait()
         except BaseException as exc:
             error = exc
             raise
@@ -358,33 +369,10 @@ class Trainer(TrainerState):
             stop_signal=self._stop.signal,
         )
 
-    def _stop_now(self) -> None:
-        """The ranks agreed to stop after this step: save it, wait for the write, say so."""
-        by = self._stop.reason
-        if self.checkpoints.policy.writes:
-            saved = self.checkpoints.maybe_save(self.step, self._checkpoint_state, force=True)
-            self._report_saved(saved + self.checkpoints.wait())
-            path: str | None = str(self.checkpoints.directory / checkpoint_name(self.step))
-            log.info(
-                "stopped by %s at step %d; checkpoint saved to %s; resume with --resume",
-                by,
-                self.step,
-                path,
-            )
-        else:
-            path = None
-            log.info(
-                "stopped by %s at step %d; no checkpoint (checkpoint.interval is 0 and "
-                "save_final is false)",
-                by,
-                self.step,
-            )
-        self.emit("stopped", {"signal": self._stop.signal_name, "step": self.step, "path": path})
-
     def _loop(self, max_steps: int) -> float | None:
         log_every = self.config.logging.log_every
         batches = self._batches()
-        self._restore_resumed_rng()
+        self.checkpointing.restore_resumed_rng()
         meter = ThroughputMeter(self.device)
         world = self.parallel.world_size
         last_loss: float | None = None
@@ -448,7 +436,7 @@ class Trainer(TrainerState):
                 meter.reset()
             # Checkpoint time is not training time: keep it out of the step rates.
             with meter.paused():
-                self._report_saved(self.checkpoints.maybe_save(self.step, self._checkpoint_state))
+                self.checkpointing.save_due()
             every = self.config.eval.every
             if self.evaluator is not None and every and self.step % every == 0:
                 with meter.paused():  # nor is evaluation
@@ -459,7 +447,7 @@ class Trainer(TrainerState):
                 self.emit("profile", {"step": self.step, "path": str(trace)})
             if self._stop.agree(self.parallel):
                 with meter.paused():
-                    self._stop_now()
+                    self.checkpointing.save_on_stop(self._stop.reason, self._stop.signal_name)
                 break
         return last_loss
 
@@ -479,8 +467,29 @@ class Trainer(TrainerState):
             if self.checkpoints.last_saved_step != self.step:
                 self.save_checkpoint()
             else:
-                self._report_saved(self.checkpoints.wait())  # best.json names complete ones
+                self.checkpointing.wait()  # best.json names complete ones
             if self.parallel.is_main:
                 self.checkpoints.mark_best(self.step, result.loss)
             log.info("best eval loss so far: %.4f at step %d", result.loss, self.step)
         return result
+
+
+def train_start_payload(trainer: Trainer, max_steps: int) -> dict[str, Any]:
+    """The ``train_start`` event: where the run starts, on what, and its whole config."""
+    data = trainer.data
+    return {
+        "step": trainer.step,
+        "start_step": trainer.step,
+        "max_steps": max_steps,
+        "device": trainer.device.type,
+        "threads": torch.get_num_threads(),
+        "precision": trainer.precision.mode,
+        "accumulation_steps": trainer.accumulation_steps,
+        "compiled": trainer.compiled.active,
+        **trainer.flops.start_fields(),
+        "data": {
+            "source": getattr(data, "description", type(data).__name__),
+            "split": getattr(data, "split", "") or "not split",
+        },
+        "config": trainer.config.to_dict(redact=True),
+    }
