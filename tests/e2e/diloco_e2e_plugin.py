@@ -7,8 +7,11 @@ Environment variables (all optional):
 * ``DILOCO_E2E_UPLOAD_DELAY`` with ``DILOCO_E2E_UPLOAD_STEP``: the shared-directory upload of
   that local step waits that long before it lands (an upload still in flight when the
   checkpoint of that step is written);
-* ``DILOCO_E2E_UPLOAD_AFTER``: a path; the upload of that step (or of the failing one) also
-  waits until it exists, at most ``DILOCO_E2E_HOLD_S`` (default 120 s): a checkpoint written
+* ``DILOCO_E2E_UPLOAD_AFTER``: a checkpoint directory (``.../checkpoints/step_NNNNNNNN``); the
+  upload of that step (or of the failing one) also waits until that checkpoint is the latest
+  (``latest.json`` next to it names it or a later step: a save renames its directory into
+  place first and moves the pointer after, so the directory alone is not yet a checkpoint a
+  resume would load), at most ``DILOCO_E2E_HOLD_S`` (default 120 s): a checkpoint written
   meanwhile, however slowly the node trains;
 * ``DILOCO_E2E_FAIL_UPLOAD_STEP``: that step's upload fails (after the delay), permanently;
 * ``DILOCO_E2E_HOLD_LATER``: ``1``: the uploads of later local steps wait ``DILOCO_E2E_HOLD_S``
@@ -21,6 +24,7 @@ Environment variables (all optional):
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any
@@ -49,11 +53,22 @@ if UPLOAD_STEP >= 0 or FAIL_STEP >= 0:
         while not until() and time.monotonic() < deadline:
             time.sleep(0.05)
 
+    def _is_latest(checkpoint: str) -> bool:
+        """``latest.json`` beside ``checkpoint`` names it or a later step."""
+        pointer = os.path.join(os.path.dirname(checkpoint), "latest.json")
+        try:
+            with open(pointer, encoding="utf-8") as file:
+                named = str(json.load(file).get("checkpoint", ""))
+        except (OSError, ValueError, AttributeError):
+            return False
+        wanted = os.path.basename(checkpoint)
+        return named.startswith("step_") and len(named) == len(wanted) and named >= wanted
+
     def _upload_delta(self: Any, node_id: str, local_step: int, source: Any) -> None:
         if local_step in (UPLOAD_STEP, FAIL_STEP):
             time.sleep(UPLOAD_DELAY)
             if UPLOAD_AFTER:
-                _hold(lambda: os.path.exists(UPLOAD_AFTER))
+                _hold(lambda: _is_latest(UPLOAD_AFTER))
         elif HOLD_LATER and local_step > max(UPLOAD_STEP, FAIL_STEP):
             _hold(lambda: False)
         if local_step == FAIL_STEP:
