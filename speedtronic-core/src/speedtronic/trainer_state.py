@@ -204,13 +204,16 @@ class TrainerState:
             path = str(run.checkpoints.directory / checkpoint_name(run.step))
             log.info(
                 "stopped by %s at step %d; checkpoint saved to %s; resume with --resume",
-                *(by, run.step, path),
+                by,
+                run.step,
+                path,
             )
         else:
             log.info(
                 "stopped by %s at step %d; no checkpoint (checkpoint.interval is 0 and "
                 "save_final is false)",
-                *(by, run.step),
+                by,
+                run.step,
             )
         run.emit("stopped", {"signal": signal_name, "step": run.step, "path": path})
 
