@@ -24,7 +24,6 @@ Environment variables (all optional):
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any
@@ -55,14 +54,16 @@ if UPLOAD_STEP >= 0 or FAIL_STEP >= 0:
 
     def _is_latest(checkpoint: str) -> bool:
         """``latest.json`` beside ``checkpoint`` names it or a later step."""
-        pointer = os.path.join(os.path.dirname(checkpoint), "latest.json")
-        try:
-            with open(pointer, encoding="utf-8") as file:
-                named = str(json.load(file).get("checkpoint", ""))
-        except (OSError, ValueError, AttributeError):
-            return False
-        wanted = os.path.basename(checkpoint)
-        return named.startswith("step_") and len(named) == len(wanted) and named >= wanted
+        from pathlib import Path
+
+        from speedtronic.checkpoint import step_of
+        from speedtronic.checkpoint.reader import CheckpointReader
+
+        path = Path(checkpoint)
+        target = CheckpointReader(path.parent).pointer_target()
+        named = -1 if target is None else step_of(target.name)
+        wanted = step_of(path.name)
+        return named is not None and wanted is not None and named >= wanted
 
     def _upload_delta(self: Any, node_id: str, local_step: int, source: Any) -> None:
         if local_step in (UPLOAD_STEP, FAIL_STEP):
