@@ -119,8 +119,8 @@ def run(
             measured[round_] = {
                 "store": store.store_bytes() or 0,
                 "metadata": len(metadata.dumps()) if metadata is not None else 0,
-                "state": master.outer.state_path.stat().st_size,
-                "ledger": len(master.outer.processed),
+                "state": master.outer.keeper.state_path.stat().st_size,
+                "ledger": len(master.outer.keeper.processed),
                 "caches": {c.node_id: tree_bytes(c.cache_dir) for c, _, _ in coordinators},
                 "deltas": len(store.list_deltas()),
                 "seconds": time.perf_counter() - started,

@@ -132,17 +132,6 @@ def room_size(rooms: dict[tuple[str, str], ClassRoom], key: tuple[str, str]) -> 
     return sum(rooms[tuple(name.rsplit(".", 1))].lines for name in with_bases(rooms, key))
 
 
-# Classes over the limit once their bases are counted, when that counting began (issue 42),
-# with their size then: each may shrink, none may grow, and one that gets under the limit
-# leaves this table (the test says so). Nothing joins it.
-OVER_THE_LIMIT_WITH_BASES = {
-    "speedtronic.checkpoint.manager.CheckpointManager": 569,
-    "speedtronic_diloco.master.loop.MasterOuterLoop": 623,
-    "speedtronic_diloco.transports.hub.HubTransport": 690,
-    "speedtronic_diloco.transports.shared_dir.SharedDirectoryTransport": 593,
-}
-
-
 @pytest.mark.parametrize("package", PACKAGES)
 def test_no_room_is_too_big(package: str) -> None:
     root = package_dir(package)
@@ -155,18 +144,12 @@ def test_no_room_is_too_big(package: str) -> None:
     for key, room in sorted(rooms.items()):
         if room.module.split(".")[0] != package:
             continue
-        size, name = room_size(rooms, key), ".".join(key)
-        counted = ", ".join(with_bases(rooms, key))
-        where = f"{room.path.relative_to(root)}: class {room.name}, {size} lines ({counted})"
-        if room.lines > MAX_CLASS_LINES:
-            too_big.append(where)
-        elif name in OVER_THE_LIMIT_WITH_BASES:
-            if size > OVER_THE_LIMIT_WITH_BASES[name]:
-                too_big.append(f"{where}: grew past {OVER_THE_LIMIT_WITH_BASES[name]}")
-            elif size <= MAX_CLASS_LINES:
-                too_big.append(f"{where}: under the limit now, take it out of the table")
-        elif size > MAX_CLASS_LINES:
-            too_big.append(where)
+        size = room_size(rooms, key)
+        if size > MAX_CLASS_LINES:
+            counted = ", ".join(with_bases(rooms, key))
+            too_big.append(
+                f"{room.path.relative_to(root)}: class {room.name}, {size} lines ({counted})"
+            )
     assert not too_big, too_big
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import speedtronic.checkpoint.manager as checkpoint_module
+import speedtronic.checkpoint.storage as checkpoint_module
 from speedtronic.checkpoint import CheckpointManager, checkpoint_name
 from speedtronic.checkpoint.fileio import sha256_chunks
 from speedtronic.errors import CheckpointError

@@ -10,6 +10,7 @@ import pytest
 from core.toy_runs import EventRecorder, tiny_transformer_run, train
 
 import speedtronic.checkpoint.manager as manager_module
+import speedtronic.checkpoint.storage as storage_module
 from speedtronic.checkpoint import CheckpointManager, SavePolicy
 from speedtronic.errors import CheckpointError
 from speedtronic.runtime import build_runtime
@@ -106,7 +107,7 @@ def test_a_failed_background_write_is_retried_once_then_raised_at_the_next_step(
         attempts.append(filename)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(manager_module, "save_file", full)
+    monkeypatch.setattr(storage_module, "save_file", full)
     monkeypatch.setattr(manager_module.time, "sleep", lambda seconds: None)
     with pytest.raises(CheckpointError, match=r"step_00000002 .*No space left"):
         runtime.trainer.fit()

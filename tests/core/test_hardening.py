@@ -23,7 +23,7 @@ from safetensors import SafetensorError
 import speedtronic.trainer as trainer_module
 from speedtronic import SpeedtronicConfig, cli
 from speedtronic.checkpoint import CheckpointManager, checkpoint_name
-from speedtronic.checkpoint import manager as manager_module
+from speedtronic.checkpoint import storage as storage_module
 from speedtronic.errors import CheckpointError, ConfigError
 from speedtronic.runtime import build_runtime
 
@@ -102,7 +102,7 @@ def test_disk_full_during_a_save_is_a_checkpoint_error_with_the_free_space(
 
             save_first = CheckpointManager(directory, keep_last=3)
             save_first.save(8, trainer.state_dict())
-            monkeypatch.setattr(manager_module, "save_file", full)
+            monkeypatch.setattr(storage_module, "save_file", full)
         else:
             directory = small / "ckpt"
             save_first = CheckpointManager(directory, keep_last=3)
@@ -131,7 +131,7 @@ def test_a_failed_save_is_retried_once_after_the_pause(
 ) -> None:
     config = tiny_transformer_run(tmp_path, run={"max_steps": 4}, checkpoint={"interval": 0})
     _, _, trainer = train(config)
-    real_save = manager_module.save_file
+    real_save = storage_module.save_file
     failures = iter([True])
 
     def flaky(*args: Any, **kwargs: Any) -> None:
@@ -140,7 +140,7 @@ def test_a_failed_save_is_retried_once_after_the_pause(
         real_save(*args, **kwargs)
 
     pauses: list[float] = []
-    monkeypatch.setattr(manager_module, "save_file", flaky)
+    monkeypatch.setattr(storage_module, "save_file", flaky)
     monkeypatch.setattr(trainer_module.time, "sleep", pauses.append)
     trainer.step = 5
     assert trainer.save_checkpoint().name == checkpoint_name(5)
@@ -154,7 +154,7 @@ def rewrite_consistently(checkpoint: Path, edit: Any) -> None:
     edit(state)
     state_file.write_text(json.dumps(state))
     manifest = json.loads((checkpoint / "manifest.json").read_text())
-    manifest["files"]["state.json"] = manager_module._describe(state_file)
+    manifest["files"]["state.json"] = storage_module._describe(state_file)
     (checkpoint / "manifest.json").write_text(json.dumps(manifest))
 
 

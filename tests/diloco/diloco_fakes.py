@@ -228,5 +228,5 @@ def make_master(
         **options,
     )
     if start is not None and loop.global_state is None:
-        loop.bootstrap(start)
+        loop.keeper.bootstrap(start)
     return loop

@@ -288,7 +288,7 @@ def test_fragments_match_a_hand_computation_node_and_master(tmp_path: Path) -> N
     loop = make_loop(store, tmp_path, lr=1.0, momentum=0.5, outlier_policy="off")
     layout = FragmentLayout.build(weights(), 2)
     assert layout.fragments == (("a.weight", "a.bias"), ("b.weight", "b.bias"))
-    loop.set_fragments(layout)
+    loop.keeper.set_fragments(layout)
     assert loop.publish() is not None
     worker = DumbDiLoCoCoordinator(
         dist_config(fragments=2, inner_steps=4), make_net(), hub=store, state_dir=tmp_path / "w"
@@ -313,7 +313,7 @@ def test_fragments_match_a_hand_computation_node_and_master(tmp_path: Path) -> N
     }
     assert torch.allclose(tensors["b.weight"], torch.full_like(b0, -0.02))
     loop.run_round()  # b: buf -0.02, update -0.03 -> b0 + 0.03; versions [0, 1]
-    assert loop.fragment_steps == [0, 1] and loop.fragment_versions == [0, 1]
+    assert loop.keeper.fragment_steps == [0, 1] and loop.keeper.fragment_versions == [0, 1]
     step(3)
     step(4)  # fragment 0: a moved +0.04; global 1 has nothing new for a: nothing installed
     assert set(load_tensors_from(store.files[delta_path("w1", 4)], tmp_path)[0]) == {
@@ -336,15 +336,15 @@ def test_fragments_match_a_hand_computation_node_and_master(tmp_path: Path) -> N
     loop.run_round()  # a: buf 0.5 * -0.04 - 0.04 = -0.06, update -0.07 -> a0 + 0.13
     g = loop.global_state
     assert torch.allclose(g["a.weight"], a0 + 0.13) and torch.allclose(g["b.weight"], b0 + 0.095)
-    assert torch.allclose(loop.momentum["a.weight"], torch.full_like(a0, -0.06))
-    assert torch.allclose(loop.momentum["b.weight"], torch.full_like(b0, -0.05))
+    assert torch.allclose(loop.keeper.momentum["a.weight"], torch.full_like(a0, -0.06))
+    assert torch.allclose(loop.keeper.momentum["b.weight"], torch.full_like(b0, -0.05))
     assert loop.outer_step == 4
-    assert loop.fragment_steps == [2, 2] and loop.fragment_versions == [4, 3]
+    assert loop.keeper.fragment_steps == [2, 2] and loop.keeper.fragment_versions == [4, 3]
     info = store.metadata.extra["fragments"]
     assert info == {"count": 2, "layout": layout.fingerprint, "steps": [2, 2], "versions": [4, 3]}
     # The master's state file keeps the per-fragment counters.
     again = make_loop(store, tmp_path)
-    assert again.fragment_steps == [2, 2] and again.fragment_versions == [4, 3]
+    assert again.keeper.fragment_steps == [2, 2] and again.keeper.fragment_versions == [4, 3]
     worker.stop()
 
 
@@ -352,7 +352,7 @@ def test_fragment_rounds_accept_whole_deltas_and_count_a_final_delta_once(tmp_pa
     store = MemoryTransport()
     loop = make_loop(store, tmp_path, lr=1.0, momentum=0.0, outlier_policy="off")
     layout = FragmentLayout.build(weights(), 2)
-    loop.set_fragments(layout)
+    loop.keeper.set_fragments(layout)
     whole = random_delta(1)
     put(store, tmp_path, "old", 3, whole)  # no fragment metadata: covers both fragments
     put(store, tmp_path, "last", 3, whole, {**fragment_metadata([0, 1], layout), "final": "1"})
@@ -365,7 +365,7 @@ def test_fragment_rounds_accept_whole_deltas_and_count_a_final_delta_once(tmp_pa
     assert result is not None and result.deltas_included == 3
     assert sorted(result.included) == [("frag", 3), ("last", 3), ("old", 3)]
     assert dict(zip(result.rejected, result.reasons)) == {("alien", 3): "fragments"}
-    assert loop.fragment_steps == [1, 1]
+    assert loop.keeper.fragment_steps == [1, 1]
     for name in ("a.weight", "a.bias"):  # fragment 0: the two whole deltas
         assert torch.allclose(loop.global_state[name], before[name] - whole[name], atol=1e-7)
     for name in ("b.weight", "b.bias"):  # fragment 1: the mean of three
@@ -376,7 +376,7 @@ def test_fragment_rounds_accept_whole_deltas_and_count_a_final_delta_once(tmp_pa
 def test_installing_one_fragment_leaves_the_others_alone(tmp_path: Path) -> None:
     store = MemoryTransport()
     loop = make_loop(store, tmp_path, lr=1.0, momentum=0.0, outlier_policy="off")
-    loop.set_fragments(FragmentLayout.build(weights(), 2))
+    loop.keeper.set_fragments(FragmentLayout.build(weights(), 2))
     loop.publish()
     worker = DumbDiLoCoCoordinator(
         dist_config(fragments=2, inner_steps=4, install_at="any", poll_interval=0.0),
@@ -405,7 +405,7 @@ def test_an_upload_in_flight_still_moves_its_fragment_when_another_is_installed(
     store = MemoryTransport()
     layout = FragmentLayout.build(weights(), 2)
     loop = make_loop(store, tmp_path, lr=1.0, momentum=0.0, outlier_policy="off")
-    loop.set_fragments(layout)
+    loop.keeper.set_fragments(layout)
     loop.publish()
     worker = DumbDiLoCoCoordinator(
         dist_config(

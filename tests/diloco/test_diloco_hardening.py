@@ -125,7 +125,7 @@ def test_the_master_rejects_them_as_codec(tmp_path: Path) -> None:
         emit=lambda e, p: events.append((e, p)),
         rules=AggregationRules(),
     )
-    loop.bootstrap(cpu_state_dict(make_net().state_dict()))
+    loop.keeper.bootstrap(cpu_state_dict(make_net().state_dict()))
     nodes = {"good": None, **{f"bad{i}": case for i, case in enumerate(sorted(CORRUPTIONS))}}
     for seed, (node, case) in enumerate(nodes.items()):
         codec, edit, _ = CORRUPTIONS[case] if case else ("int8", None, "")

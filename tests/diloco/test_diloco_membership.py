@@ -63,7 +63,7 @@ def shared(tmp_path: Path) -> SharedDirectoryTransport:
 def master(store: Transport, tmp_path: Path, **kwargs: Any) -> MasterOuterLoop:
     rules = {"outlier_policy": "off", "keep_history": 0, **kwargs.pop("rules", {})}
     loop = make_master(store, tmp_path, retry=NO_WAIT, rules=rules, **kwargs)
-    loop.bootstrap(weights())
+    loop.keeper.bootstrap(weights())
     return loop
 
 
@@ -114,10 +114,10 @@ def test_the_reason_a_run_ended() -> None:
 
 
 def check_store_records(store: Any) -> None:
-    assert store.read_left().records == {}
+    assert store.members.read_left().records == {}
     assert announce_left(store, "w1", 120, "max_steps", retry=NO_WAIT)
     assert announce_left(store, "w2", 7, "error", retry=NO_WAIT)
-    found = store.read_left()
+    found = store.members.read_left()
     assert {n: (r.last_step, r.reason) for n, r in found.records.items()} == {
         "w1": (120, "max_steps"),
         "w2": (7, "error"),
@@ -125,7 +125,7 @@ def check_store_records(store: Any) -> None:
     assert found.refused == ()
     assert announce_back(store, "w1", retry=NO_WAIT)
     assert announce_back(store, "w3", retry=NO_WAIT)  # no record: nothing to do
-    assert set(store.read_left().records) == {"w2"}
+    assert set(store.members.read_left().records) == {"w2"}
     assert store.list_deltas() == []  # a record is no delta
 
 
@@ -145,10 +145,10 @@ def test_hub_refuses_a_hostile_left_record(hub: HubEmulator, tmp_path: Path) -> 
     announce_left(store, "w1", 5, "max_steps", retry=NO_WAIT)
     forged = tmp_path / "forged.json"
     forged.write_bytes(record_bytes(node_id="w1", last_step=True))
-    store._api.upload_file(  # another writer of the store, forging w2's record
+    store.repo.api.upload_file(  # another writer of the store, forging w2's record
         path_or_fileobj=str(forged), path_in_repo=left_path("w2"), repo_id=store.repo_id
     )
-    found = store.read_left()
+    found = store.members.read_left()
     assert set(found.records) == {"w1"}
     assert len(found.refused) == 1 and "nodes/w2/left.json" in found.refused[0]
     assert "node_id" in found.refused[0]
@@ -166,7 +166,7 @@ def test_shared_dir_refuses_special_and_escaping_left_records(tmp_path: Path) ->
     os.symlink(outside, store.root / left_path("link"))
     (store.root / "nodes" / "big").mkdir()
     (store.root / left_path("big")).write_bytes(b"{" * (LEFT_LIMIT + 1))
-    found = store.read_left()
+    found = store.members.read_left()
     assert set(found.records) == {"good"}
     assert len(found.refused) == 3
     assert any("FIFO" in problem for problem in found.refused)
@@ -274,7 +274,7 @@ def test_the_store_keeps_one_processed_delta_per_node_and_round(tmp_path: Path) 
     result = loop.tick()
     assert result is not None and len(result.included) == 4
     assert sorted(i.key for i in store.list_deltas()) == [("a", 15), ("b", 5)]
-    ledger = loop.state.processed
+    ledger = loop.keeper.state.processed
     assert all(ledger.verdict(i).name != "NEW" for i in store.list_deltas())
     for round_ in range(4):
         for step in (20 + 10 * round_, 25 + 10 * round_):
@@ -336,7 +336,7 @@ def test_a_run_leaves_with_its_last_step_and_why(tmp_path: Path) -> None:
 
     store = SharedDirectoryTransport(tmp_path / "store")
     build_runtime(tiny_run(tmp_path), console=False).trainer.fit()  # the master, 12 steps
-    record = store.read_left().records["m"]
+    record = store.members.read_left().records["m"]
     assert (record.last_step, record.reason) == (12, "max_steps")
 
     stopper: list[Any] = []
@@ -359,17 +359,17 @@ def test_a_run_leaves_with_its_last_step_and_why(tmp_path: Path) -> None:
     stopper.append(runtime.trainer)
     result = runtime.trainer.fit()
     assert result.stopped
-    record = store.read_left().records["w"]
+    record = store.members.read_left().records["w"]
     assert record.reason == "stopped" and record.last_step == result.steps < 12
     # Resumed, the node deletes its record before it trains: it is live again.
     seen: list[bool] = []
 
     def look(event: str, payload: dict[str, Any]) -> None:
         if event == "step" and not seen:
-            seen.append("w" in store.read_left().records)
+            seen.append("w" in store.members.read_left().records)
 
     resumed = {**worker, "checkpoint": {**worker.get("checkpoint", {}), "resume": True}}
     build_runtime(resumed, console=False, hooks=[look]).trainer.fit()
     assert seen == [False]
-    record = store.read_left().records["w"]
+    record = store.members.read_left().records["w"]
     assert (record.last_step, record.reason) == (12, "max_steps")

@@ -99,7 +99,7 @@ def test_rounds_apply_mean_delta_with_nesterov(tmp_path: Path) -> None:
     events: list = []
     loop = make_loop(store, tmp_path, events=events)
     start = weights()
-    loop.bootstrap(start)
+    loop.keeper.bootstrap(start)
     rounds = [[random_delta(10 * r + n) for n in range(3)] for r in range(3)]
     means = []
     for r, deltas in enumerate(rounds):
@@ -125,7 +125,7 @@ def test_rounds_apply_mean_delta_with_nesterov(tmp_path: Path) -> None:
 def test_each_delta_is_aggregated_once(tmp_path: Path) -> None:
     store = MemoryTransport()
     loop = make_loop(store, tmp_path)
-    loop.bootstrap(weights())
+    loop.keeper.bootstrap(weights())
     upload(store, tmp_path, "a", 5, random_delta(1))
     assert loop.run_round().included == (("a", 5),)
     assert loop.run_round() is None  # nothing new
@@ -141,7 +141,7 @@ def test_bad_deltas_are_logged_and_skipped(
 ) -> None:
     store = MemoryTransport()
     loop = make_loop(store, tmp_path)
-    loop.bootstrap(weights())
+    loop.keeper.bootstrap(weights())
     store.files["nodes/bad/delta_5.safetensors"] = b"not safetensors"
     wrong = random_delta(1)
     wrong["a.weight"] = torch.zeros(2, 2)
@@ -164,7 +164,7 @@ def test_transient_download_failure_retries_next_round(tmp_path: Path) -> None:
     store = MemoryTransport()
     loop = make_loop(store, tmp_path)
     loop.retry = loop.retry.__class__(retries=0, backoff=0)
-    loop.bootstrap(weights())
+    loop.keeper.bootstrap(weights())
     upload(store, tmp_path, "a", 5, random_delta(1))
 
     store.fail("download_delta", TransientTransportError("503"))
@@ -178,11 +178,11 @@ def test_transient_download_failure_retries_next_round(tmp_path: Path) -> None:
 def test_state_persists_without_pickle_and_reloads(tmp_path: Path) -> None:
     store = MemoryTransport()
     loop = make_loop(store, tmp_path)
-    loop.bootstrap(weights())
+    loop.keeper.bootstrap(weights())
     for step in (5, 10):
         upload(store, tmp_path, "a", step, random_delta(step))
         loop.run_round()
-    with safe_open(str(loop.state_path), "pt") as handle:
+    with safe_open(str(loop.keeper.state_path), "pt") as handle:
         meta = handle.metadata()
         keys = set(handle.keys())
     assert meta["outer_step"] == "2"
@@ -190,11 +190,11 @@ def test_state_persists_without_pickle_and_reloads(tmp_path: Path) -> None:
     assert json.loads(meta["processed"]) == [["a", 5, etags[5]], ["a", 10, etags[10]]]
     assert {k.split("/")[0] for k in keys} == {"global", "momentum"}
     again = make_loop(store, tmp_path)
-    assert again.has_local_state
+    assert again.keeper.has_local_state
     assert again.outer_step == 2
-    assert set(again.processed) == {("a", 5), ("a", 10)}
-    for name, value in loop.momentum.items():
-        torch.testing.assert_close(again.momentum[name], value)
+    assert set(again.keeper.processed) == {("a", 5), ("a", 10)}
+    for name, value in loop.keeper.momentum.items():
+        torch.testing.assert_close(again.keeper.momentum[name], value)
     assert again.run_round() is None  # old deltas are not aggregated again
 
 
@@ -206,7 +206,7 @@ def test_unreadable_state_is_ignored_with_a_warning(
     path.write_bytes(b"junk")
     with caplog.at_level(logging.WARNING, "speedtronic.diloco"):
         loop = make_loop(MemoryTransport(), tmp_path)
-    assert not loop.has_local_state
+    assert not loop.keeper.has_local_state
     assert "unreadable" in caplog.text
 
 
@@ -252,7 +252,7 @@ def master(
 def persisted_loop(store: MemoryTransport, tmp_path: Path, rounds: int) -> MasterOuterLoop:
     """A master state directory (``state/m``) that went through ``rounds`` outer steps."""
     loop = make_master(store, tmp_path, momentum=0.9, state_dir=tmp_path / "state" / "m")
-    loop.bootstrap(weights())
+    loop.keeper.bootstrap(weights())
     for r in range(rounds):
         upload(store, tmp_path, "w", 10 * (r + 1), random_delta(r))
         loop.run_round()
@@ -289,13 +289,13 @@ def test_master_local_state_wins_and_is_republished(tmp_path: Path) -> None:
 def test_master_remote_ahead_wins_and_resets_momentum(tmp_path: Path) -> None:
     store = MemoryTransport()
     loop = persisted_loop(store, tmp_path, rounds=1)
-    assert loop.momentum
+    assert loop.keeper.momentum
     remote = cpu_state_dict(make_net(seed=5).state_dict())
     store.publish_state(remote, 7, tmp_path)
     coordinator, model = master(store, tmp_path)
     coordinator.start()
     assert coordinator.outer_step == 7
-    assert coordinator.outer.momentum == {}
+    assert coordinator.outer.keeper.momentum == {}
     for name, value in remote.items():
         torch.testing.assert_close(model.state_dict()[name], value)
     coordinator.stop()

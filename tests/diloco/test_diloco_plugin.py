@@ -74,7 +74,7 @@ class RunRecorder:
             wait_for(
                 lambda: (
                     coordinator.wait_idle(0.05)
-                    and (outer is None or outer.published_step >= outer.outer_step)
+                    and (outer is None or outer.keeper.published_step >= outer.outer_step)
                 ),
                 timeout=SETTLE,
                 what="uploads and publication to settle",

@@ -138,7 +138,7 @@ def test_outer_thread_tick_waits_for_quorum_then_times_out(tmp_path: Path) -> No
     store = MemoryTransport()
     clock = FakeClock()
     loop = make_master(store, tmp_path, rules={"min_deltas": 2, "round_timeout": 5.0}, clock=clock)
-    loop.bootstrap(weights())
+    loop.keeper.bootstrap(weights())
     put(store, tmp_path, "a", 5, delta_like(seed=1))
     assert loop.tick() is None  # one node of two: wait
     put(store, tmp_path, "b", 5, delta_like(seed=2))
@@ -182,8 +182,8 @@ def test_each_rejection_rule(tmp_path: Path, reason: str, plant: Any) -> None:
     assert result.rejected == (("bad", 5),) and result.reasons == (reason,)
     (event,) = [p for e, p in events if e == "delta_rejected"]
     assert event["node"] == "bad" and event["delta_step"] == 5 and event["reason"] == reason
-    assert loop.rejections[-1]["reason"] == reason  # kept in the state file too
-    _, meta = load_tensors(loop.state_path)
+    assert loop.keeper.rejections[-1]["reason"] == reason  # kept in the state file too
+    _, meta = load_tensors(loop.keeper.state_path)
     assert reason in meta["rejections"]
     assert all(torch.isfinite(v).all() for v in loop.global_state.values() if v.is_floating_point())
 
@@ -195,7 +195,7 @@ def test_size_limit_stale_and_name_mismatch(tmp_path: Path) -> None:
     store.files[delta_path("big", 5)] = b"x" * (limit + 1)
     put(store, tmp_path, "h", 5, delta_like(seed=1), base=5)
     put(store, tmp_path, "liar", 5, delta_like(seed=2), node_id="h")  # claims to be h
-    loop.outer_step = 5  # pretend five outer steps happened
+    loop.keeper.outer_step = 5  # pretend five outer steps happened
     put(store, tmp_path, "old", 5, delta_like(seed=3), base=2)  # 3 behind, max 2
     put(store, tmp_path, "ok", 5, delta_like(seed=4), base=3)
     result = loop.run_round()
@@ -247,7 +247,7 @@ def test_first_rounds_use_the_rounds_lower_median_then_history(tmp_path: Path) -
         put(store, tmp_path, "h", step, delta_like(seed=step))
         put(store, tmp_path, "h2", step, delta_like(seed=step + 1))
         loop.run_round()
-    assert len(loop.norm_history) >= 3
+    assert len(loop.keeper.norm_history) >= 3
     # Alone in its round, the outlier is now measured against history.
     put(store, tmp_path, "bad", 20, {k: v * 50 for k, v in honest.items()})
     assert loop.run_round().reasons == ("norm_outlier",)
@@ -410,8 +410,8 @@ def test_float32_overflow_never_reaches_the_store_and_halts(
     again = make_loop(store, tmp_path)
     assert again.halted and again.run_round() is None
     # Roll back (the master is stopped) to the kept good step: a new outer step, unhalted.
-    assert good_step in history_steps(loop.state_dir)
-    new_step = roll_back(loop.state_dir, good_step)
+    assert good_step in history_steps(loop.keeper.state_dir)
+    new_step = roll_back(loop.keeper.state_dir, good_step)
     assert new_step == good_step + 1
     resumed = make_loop(store, tmp_path)
     assert not resumed.halted and resumed.outer_step == new_step
@@ -437,7 +437,7 @@ def test_rollback_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     for step in (5, 10, 15):
         put(store, tmp_path, "h", step, delta_like(seed=step), base=loop.outer_step)
         loop.run_round()
-    state = str(loop.state_dir)
+    state = str(loop.keeper.state_dir)
     assert cli_main(["diloco", "rollback", "--state-dir", state, "--list"]) == 0
     assert "kept for rollback: 0, 1, 2, 3" in capsys.readouterr().out
     assert cli_main(["diloco", "rollback", "--state-dir", state, "--to", "1"]) == 0

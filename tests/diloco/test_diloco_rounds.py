@@ -356,8 +356,8 @@ def test_workers_refuse_unsigned_and_wrongly_signed_globals(
         cache_dir=tmp_path / "mc",
         rules={"signing_key": KEY.encode()},
     )
-    loop.bootstrap(params(make_net(seed=2)))
-    loop.outer_step = 2
+    loop.keeper.bootstrap(params(make_net(seed=2)))
+    loop.keeper.outer_step = 2
     loop.publish()
     assert worker.after_optimizer_step(model, 2) is True
     assert worker.last_global_step == 2

@@ -207,21 +207,21 @@ def test_master_state_files_of_the_previous_release_still_load(tmp_path: Path) -
         state_dir.mkdir()
         shutil.copyfile(FIXTURES / name, state_dir / STATE_FILE)
         loop = make_master(MemoryTransport(), tmp_path, state_dir=state_dir, cache_dir=tmp_path)
-        assert loop.has_local_state
+        assert loop.keeper.has_local_state
         assert loop.outer_step == expected["outer_step"]
-        assert loop.published_step == expected["published_step"]
-        assert len(loop.processed) == expected["processed"]
-        assert [r["reason"] for r in loop.rejections] == expected["rejections"]
-        assert len(loop.state.signatures) == expected["signatures"]
-        assert len(loop.norm_history) == expected["norm_history"]
-        assert loop.fragment_steps == expected["fragment_steps"]
-        assert loop.fragment_versions == expected["fragment_versions"]
+        assert loop.keeper.published_step == expected["published_step"]
+        assert len(loop.keeper.processed) == expected["processed"]
+        assert [r["reason"] for r in loop.keeper.rejections] == expected["rejections"]
+        assert len(loop.keeper.state.signatures) == expected["signatures"]
+        assert len(loop.keeper.norm_history) == expected["norm_history"]
+        assert loop.keeper.fragment_steps == expected["fragment_steps"]
+        assert loop.keeper.fragment_versions == expected["fragment_versions"]
         assert loop.halted == expected["halted"]
         assert sorted(loop.global_state) == expected["global_keys"]
-        assert sorted(loop.momentum) == expected["momentum_keys"]
+        assert sorted(loop.keeper.momentum) == expected["momentum_keys"]
         # ... and the state it writes now holds the same.
-        loop.save()
-        assert_same(loop.state, load_state(state_dir / STATE_FILE))
+        loop.keeper.save()
+        assert_same(loop.keeper.state, load_state(state_dir / STATE_FILE))
 
 
 def checkpointed(name: str) -> dict[str, Any]:
@@ -239,7 +239,7 @@ def test_a_master_checkpoint_of_the_previous_release_resumes_the_outer_state(
     assert loop.load_state_dict(saved["outer"])
     assert loop.outer_step == expected["outer_step"] == 1
     assert set(loop.global_state) == {"counter", "a.weight", "a.bias", "b.weight", "b.bias"}
-    assert len(loop.processed) == 1
+    assert len(loop.keeper.processed) == 1
     coordinator = DumbDiLoCoCoordinator(
         dist_config(role="master", node_id="m", inner_steps=4),
         make_net(),

@@ -46,7 +46,7 @@ def seed_run(store: Transport, tmp_path: Path) -> None:
     keeper.acquire()
     loop = make_master(store, tmp_path, rules={"outlier_policy": "off", "keep_history": 0})
     loop.lease = keeper
-    loop.bootstrap(tiny())
+    loop.keeper.bootstrap(tiny())
     loop.publish()
     for step, bad in ((5, False), (10, True)):
         for node in ("a", "b"):

@@ -48,7 +48,7 @@ def run(tmp_path: Path) -> tuple[Path, Path, SharedDirectoryTransport]:
         rules=AggregationRules(outlier_policy="off", keep_history=0, min_deltas=2),
         evaluate=lambda weights: next(losses),
     )
-    loop.bootstrap(tiny())
+    loop.keeper.bootstrap(tiny())
     loop.publish()
     for step in (5, 10, 15):
         for node in ("a", "b"):

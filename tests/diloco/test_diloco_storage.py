@@ -85,7 +85,7 @@ def shared(tmp_path: Path) -> SharedDirectoryTransport:
 def test_touched_delta_is_not_aggregated_twice(tmp_path: Path) -> None:
     store = shared(tmp_path)
     loop = make_loop(store, tmp_path / "state")
-    loop.bootstrap(weights())
+    loop.keeper.bootstrap(weights())
     upload(store, tmp_path, "w", 5)
     assert loop.run_round().included == (("w", 5),)
     path = tmp_path / "store" / "nodes" / "w" / "delta_5.safetensors"
@@ -102,7 +102,7 @@ def test_delta_missing_from_one_listing_is_not_forgotten(tmp_path: Path) -> None
     aggregated again (the ledger used to forget what a listing did not show)."""
     store = shared(tmp_path)
     loop = make_loop(store, tmp_path / "state", keep_outer_steps=1000)
-    loop.bootstrap(weights())
+    loop.keeper.bootstrap(weights())
     for step in range(1, 48):
         upload(store, tmp_path, "away", step)
     upload(store, tmp_path, "stay", 1)
@@ -128,7 +128,7 @@ def test_delta_missing_from_one_listing_is_not_forgotten(tmp_path: Path) -> None
 def test_processed_deltas_are_deleted_once_keep_outer_steps_old(tmp_path: Path) -> None:
     store = shared(tmp_path)
     loop = make_loop(store, tmp_path / "state", keep_outer_steps=2)
-    loop.bootstrap(weights())
+    loop.keeper.bootstrap(weights())
     for round_ in range(1, 7):
         upload(store, tmp_path, "w", round_, base=loop.outer_step)
         loop.run_round()
@@ -143,7 +143,7 @@ def test_hub_deletes_in_one_commit_per_round_apart_from_the_publication(
     store = transport(hub)
     store.create_store()
     loop = make_loop(store, tmp_path / "state", keep_outer_steps=1, squash_history_every=3)
-    loop.bootstrap(weights())
+    loop.keeper.bootstrap(weights())
     summaries: list[list[str]] = []
     for round_ in range(1, 7):
         for node in ("a", "b"):
@@ -204,7 +204,7 @@ def test_long_run_with_restarts_never_reaggregates_and_stays_bounded(tmp_path: P
             state = tmp_path / f"state-{round_}" if fresh else state
             loop = start(state)
             assert loop.outer_step == round_ - 1
-            assert loop.has_local_state
+            assert loop.keeper.has_local_state
         for node in ("a", "b", "c"):
             upload(store, tmp_path, node, round_, base=loop.outer_step)
         result = loop.run_round()
@@ -213,11 +213,11 @@ def test_long_run_with_restarts_never_reaggregates_and_stays_bounded(tmp_path: P
         if round_ in (10, 50, 100, 160):
             # The outer states kept in the store (fail-over) are the state file's size each,
             # counted apart: they grow with the ledger window as the state file does.
-            outer = store.list_side_files(OUTER_STATE_DIR)
+            outer = store.side_files.list_side_files(OUTER_STATE_DIR)
             kept = sum(size for _, size in outer)
             sizes[round_] = (
                 (tmp_path / "store" / GLOBAL_METADATA).stat().st_size,
-                loop.state_path.stat().st_size,
+                loop.keeper.state_path.stat().st_size,
                 (store.store_bytes() or 0) - kept,
                 kept,
                 len(outer),
@@ -236,7 +236,7 @@ def test_long_run_with_restarts_never_reaggregates_and_stays_bounded(tmp_path: P
 def test_master_caches_stay_bounded(tmp_path: Path) -> None:
     store = shared(tmp_path)
     loop = make_loop(store, tmp_path / "state", cache_keep=2)
-    loop.bootstrap(weights())
+    loop.keeper.bootstrap(weights())
     leftovers = tmp_path / "state" / "m" / "cache" / "deltas" / "old"
     leftovers.mkdir(parents=True)
     for i in range(5):  # what a crash mid-round can leave behind
@@ -249,7 +249,7 @@ def test_master_caches_stay_bounded(tmp_path: Path) -> None:
 def test_worker_global_cache_keeps_cache_keep_versions(tmp_path: Path) -> None:
     store = shared(tmp_path)
     loop = make_loop(store, tmp_path / "state")
-    loop.bootstrap(weights())
+    loop.keeper.bootstrap(weights())
     loop.publish()
     worker = DumbDiLoCoCoordinator(
         dist_config(repo_id=str(tmp_path / "store"), cache_keep=3, poll_interval=0.0),
@@ -355,7 +355,7 @@ def test_forged_outer_step_jump_is_not_adopted_by_workers(
 ) -> None:
     store = shared(tmp_path)
     loop = make_loop(store, tmp_path / "state")
-    loop.bootstrap(weights())
+    loop.keeper.bootstrap(weights())
     upload(store, tmp_path, "x", 1)
     loop.run_round()  # publishes outer step 1
     worker = DumbDiLoCoCoordinator(
@@ -377,7 +377,7 @@ def test_forged_outer_step_jump_is_not_adopted_by_workers(
     assert worker.last_global_step == 1  # not adopted as the new floor
     assert "claims outer step 1000000000" in caplog.text
     upload(store, tmp_path, "x", 2, base=1)
-    loop.mark_unpublished()
+    loop.keeper.mark_unpublished()
     loop.run_round()  # the real master publishes outer step 2 over the forgery
     assert store.read_global_metadata().outer_step == 2
     assert worker.after_optimizer_step(worker.model, 2) is True

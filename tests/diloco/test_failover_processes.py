@@ -160,7 +160,7 @@ HOLD_THE_LOCK = """
 import sys, time
 from speedtronic_diloco.transports.shared_dir import LOCK_FILE, SharedDirectoryTransport
 store = SharedDirectoryTransport(sys.argv[1])
-with store._exclusive():
+with store.files.exclusive():
     print("locked", flush=True)
     time.sleep(600)
 """

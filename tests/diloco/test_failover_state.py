@@ -169,14 +169,14 @@ def test_the_successor_makes_exactly_the_dead_masters_next_outer_step(
     dead = two_rounds(store, tmp_path)
     die(dead)
     successor = master(store, tmp_path, "w1", take_over(store, "w1"))
-    assert successor.outer_step == 2 and same(successor.momentum, dead.momentum)
+    assert successor.outer_step == 2 and same(successor.keeper.momentum, dead.keeper.momentum)
     assert successor.run_round() is not None
 
     assert successor.outer_step == reference.outer_step == 3
     assert same(successor.global_state, reference.global_state)
-    assert same(successor.momentum, reference.momentum) and successor.momentum
-    assert sorted(successor.processed) == sorted(reference.processed)
-    assert len(successor.processed) == 6  # three rounds of two nodes, none counted twice
+    assert same(successor.keeper.momentum, reference.keeper.momentum) and successor.keeper.momentum
+    assert sorted(successor.keeper.processed) == sorted(reference.keeper.processed)
+    assert len(successor.keeper.processed) == 6  # three rounds of two nodes, none counted twice
     published = store.read_global_metadata()
     assert (published.outer_step, published.master, published.lease_epoch) == (3, "w1", 2)
     assert published.extra[STATE_ENTRY]["outer_step"] == 3
@@ -199,7 +199,7 @@ def test_without_the_stored_state_the_successor_restarts_its_momentum(
 
     successor = master(store, tmp_path, "w1", take_over(store, "w1"))
     assert "is not usable" in caplog.text and "sha256" in caplog.text
-    assert successor.outer_step == 2 and successor.momentum == {}
+    assert successor.outer_step == 2 and successor.keeper.momentum == {}
     successor.run_round()
     assert successor.outer_step == 3
     assert not same(successor.global_state, reference.global_state)
@@ -232,7 +232,7 @@ def test_a_master_killed_between_the_global_and_its_metadata(tmp_path: Path) -> 
         dead.run_round()  # outer step 3: its state and global are written, not its metadata
     store.armed = False
     assert store.read_global_metadata().outer_step == 2
-    names = [path for path, _ in store.list_side_files(OUTER_STATE_DIR)]
+    names = [path for path, _ in store.side_files.list_side_files(OUTER_STATE_DIR)]
     assert any("/s00000003-" in name for name in names)  # an orphan nobody names
     die(dead)
 
@@ -241,7 +241,7 @@ def test_a_master_killed_between_the_global_and_its_metadata(tmp_path: Path) -> 
     successor.run_round()
     assert successor.outer_step == 3  # not repeated, not skipped
     assert same(successor.global_state, reference.global_state)
-    assert same(successor.momentum, reference.momentum)
+    assert same(successor.keeper.momentum, reference.keeper.momentum)
     assert store.read_global_metadata().outer_step == 3
 
 
@@ -274,14 +274,14 @@ def test_a_hub_master_killed_before_its_publication_commit_leaves_no_orphan(
         dead.run_round()
     dying.armed = False
     assert dying.read_global_metadata().outer_step == 2
-    assert not any("/s00000003-" in p for p, _ in dying.list_side_files(OUTER_STATE_DIR))
+    assert not any("/s00000003-" in p for p, _ in dying.side_files.list_side_files(OUTER_STATE_DIR))
     die(dead)
     successor = master(dying, tmp_path, "w1", take_over(dying, "w1"))
     assert successor.outer_step == 2
     successor.run_round()
     assert successor.outer_step == 3
     assert same(successor.global_state, reference.global_state)
-    assert same(successor.momentum, reference.momentum)
+    assert same(successor.keeper.momentum, reference.keeper.momentum)
 
 
 def test_a_standby_that_dies_mid_takeover_leaves_a_usable_store(
@@ -303,7 +303,7 @@ def test_a_standby_that_dies_mid_takeover_leaves_a_usable_store(
     successor.run_round()
     assert successor.outer_step == 3
     assert same(successor.global_state, reference.global_state)
-    assert same(successor.momentum, reference.momentum)
+    assert same(successor.keeper.momentum, reference.keeper.momentum)
 
 
 def test_the_store_keeps_a_bounded_number_of_outer_states(tmp_path: Path) -> None:
@@ -313,7 +313,7 @@ def test_the_store_keeps_a_bounded_number_of_outer_states(tmp_path: Path) -> Non
     for round_ in range(1, 7):
         upload_round(store, tmp_path, round_)
         m1.run_round()
-    names = [path for path, _ in store.list_side_files(OUTER_STATE_DIR)]
+    names = [path for path, _ in store.side_files.list_side_files(OUTER_STATE_DIR)]
     assert 1 <= len(names) <= KEEP_STATES, names
     named = store.read_global_metadata().extra[STATE_ENTRY]["file"]
     assert named in names and "/s00000006-" in named

@@ -87,9 +87,9 @@ def master_loop(store: Transport, tmp_path: Path, state: str = "state", **rules:
         cache_dir=tmp_path / f"{state}-cache",
         rules={"outlier_policy": "off", **rules},
     )
-    loop.set_fragments(LAYOUT)
+    loop.keeper.set_fragments(LAYOUT)
     if loop.global_state is None:
-        loop.bootstrap(weights())
+        loop.keeper.bootstrap(weights())
     return loop
 
 
@@ -209,8 +209,8 @@ def test_a_fragment_round_publishes_only_that_fragments_file(tmp_path: Path) -> 
 def test_k1_publication_is_todays_single_file(tmp_path: Path) -> None:
     store = shared(tmp_path)
     loop = make_master(store, tmp_path, lr=1.0)
-    loop.set_fragments(FragmentLayout.build(weights(), 1))
-    loop.bootstrap(weights())
+    loop.keeper.set_fragments(FragmentLayout.build(weights(), 1))
+    loop.keeper.bootstrap(weights())
     published = loop.publish()
     assert published is not None and published.fragment_files == ()
     meta = metadata_json(tmp_path)
@@ -462,7 +462,7 @@ def test_a_restarted_master_and_fresh_nodes_rebuild_the_whole_global(tmp_path: P
     listed = metadata_json(tmp_path)["fragment_files"]
 
     again = master_loop(store, tmp_path)  # the same state directory: resumes
-    assert again.fragment_files == loop.fragment_files
+    assert again.keeper.fragment_files == loop.keeper.fragment_files
     names = {p.name for p in (tmp_path / "store" / "global").glob("fragment*")}
     fragment_round(store, again, tmp_path, 2, 10)
     written = {p.name for p in (tmp_path / "store" / "global").glob("fragment*")} - names
@@ -486,8 +486,8 @@ def test_a_restarted_master_and_fresh_nodes_rebuild_the_whole_global(tmp_path: P
     assert outer is not None and outer.outer_step == again.outer_step
     for name, value in expected.items():
         assert torch.equal(outer.global_state[name], value), name
-    assert outer.fragment_files == again.fragment_files
-    assert outer.fragment_versions == again.fragment_versions
+    assert outer.keeper.fragment_files == again.keeper.fragment_files
+    assert outer.keeper.fragment_versions == again.keeper.fragment_versions
     fresh_master.stop()
 
     worker, events = node(store, tmp_path, name="late")
@@ -516,7 +516,7 @@ def test_a_rollback_republishes_every_fragment_and_nodes_install_it(tmp_path: Pa
     step(worker, 1)
     new_step = roll_back(tmp_path / "state", 0)
     restarted = master_loop(store, tmp_path, keep_history=4)
-    assert restarted.fragment_versions == [new_step] * K
+    assert restarted.keeper.fragment_versions == [new_step] * K
     assert restarted.publish_if_behind()
     files = metadata_json(tmp_path)["fragment_files"]
     assert [f["outer_step"] for f in files] == [new_step] * K

@@ -76,7 +76,7 @@ def test_master_that_lost_the_race_warns_and_keeps_the_other_global(
 ) -> None:
     hub.add_repo(REPO, private=True)
     loop = make_master(transport(hub), tmp_path, retry=RetryPolicy(retries=3, backoff=0.0))
-    loop.bootstrap(cpu_state_dict(make_net(0).state_dict()))
+    loop.keeper.bootstrap(cpu_state_dict(make_net(0).state_dict()))
     assert loop.publish() is not None
     state = make_net(0).state_dict()
     delta = {k: torch.full_like(v, 0.1) for k, v in state.items() if v.is_floating_point()}

@@ -86,7 +86,7 @@ def test_rejection_reasons_name_store_paths_and_are_kept_whole(tmp_path: Path) -
     }
     cache = str(tmp_path / "cache")
     published = json.loads((tmp_path / "store" / GLOBAL_METADATA).read_text())["nodes"]
-    records = {r["node"]: r for r in loop.rejections}
+    records = {r["node"]: r for r in loop.keeper.rejections}
     for node, event in told.items():
         store_path = delta_path(node, 4)
         for message in (event["message"], records[node]["message"]):

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from speedtronic.errors import TransportError
 from speedtronic_diloco.retry import RetryPolicy
 from speedtronic_diloco.transports.base import DeltaInfo, Transport, UnsupportedOperation
-from speedtronic_diloco.transports.members import LEFT_REASONS, LeftRecord, MemberRecords
+from speedtronic_diloco.transports.members import LEFT_REASONS, LeftRecord, member_records_of
 
 __all__ = ["Membership", "announce_back", "announce_left", "left_reason"]
 
@@ -54,14 +54,15 @@ def announce_left(
 ) -> bool:
     """Write ``node_id``'s left record (retried like any store write); False when the store
     keeps no records or the write failed (logged)."""
-    if not isinstance(transport, MemberRecords):
+    members = member_records_of(transport)
+    if members is None:
         return False
     if reason not in LEFT_REASONS:
         raise ValueError(f"left reason {reason!r} is not one of {', '.join(LEFT_REASONS)}")
     record = LeftRecord(node_id, max(0, int(last_step)), reason, time.time())
     done, _ = retry.attempt(
         f"writing the left record of {node_id} to {transport.description}",
-        lambda: transport.write_left(record),
+        lambda: members.write_left(record),
         stop,
     )
     if done:
@@ -74,11 +75,12 @@ def announce_back(
 ) -> bool:
     """Delete ``node_id``'s left record, if any (a node starting again is live again); False
     when the store keeps no records or the deletion failed (logged)."""
-    if not isinstance(transport, MemberRecords):
+    members = member_records_of(transport)
+    if members is None:
         return False
     done, _ = retry.attempt(
         f"deleting the left record of {node_id} from {transport.description}",
-        lambda: transport.clear_left(node_id),
+        lambda: members.clear_left(node_id),
         stop,
     )
     return bool(done)
@@ -95,7 +97,8 @@ class Membership:
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
         self.records: dict[str, LeftRecord] = {}
-        self._supported = isinstance(transport, MemberRecords)
+        self.members = member_records_of(transport)
+        self._supported = self.members is not None
         self._warned: set[str] = set()
         #: Nodes known dead without a record (the master a standby replaced): node -> the
         #: highest local step of theirs the store held then.
@@ -105,9 +108,9 @@ class Membership:
         """Read the store's left records now; returns them (the previous ones on failure)."""
         if not self._supported:
             return self.records
-        assert isinstance(self.transport, MemberRecords)
+        assert self.members is not None
         try:
-            listing = self.transport.read_left()
+            listing = self.members.read_left()
         except UnsupportedOperation:
             self._supported = False
             return self.records

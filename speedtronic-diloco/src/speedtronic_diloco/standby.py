@@ -52,7 +52,7 @@ from speedtronic_diloco.transports.base import (
 from speedtronic_diloco.transports.side_files import (
     STANDBY_DIR,
     STANDBY_LIMIT,
-    SideFiles,
+    side_files_of,
     standby_path,
 )
 
@@ -119,14 +119,15 @@ class Standby:
     # ------------------------------------------------------------------ announcing
     def announce(self, directory: Path) -> bool:
         """Write this node's standby record (best effort); True when written."""
-        if not isinstance(self.transport, SideFiles):
+        files = side_files_of(self.transport)
+        if files is None:
             return False
         record = {"node_id": self.node_id, "announced_at": self.clock(), "lease_ttl": self.ttl}
         directory.mkdir(parents=True, exist_ok=True)
         local = directory / "standby.json"
         local.write_text(json.dumps(record))
         try:
-            self.transport.write_side_file(standby_path(self.node_id), local)
+            files.write_side_file(standby_path(self.node_id), local)
         except TransportError as exc:
             log.info(
                 "announcing standby %r failed (%s); status will not list it", self.node_id, exc
@@ -297,17 +298,18 @@ def read_standbys(transport: Transport, directory: Path) -> list[dict[str, Any]]
     """The standby records of the store (``node_id``, ``announced_at``), newest first, at
     most :data:`MAX_LISTED`; records that are not ours (too large, not JSON, a node id that
     does not match the file) are skipped."""
-    if not isinstance(transport, SideFiles):
+    files = side_files_of(transport)
+    if files is None:
         return []
     records = []
-    listed = transport.list_side_files(STANDBY_DIR)[:MAX_LISTED]
+    listed = files.list_side_files(STANDBY_DIR)[:MAX_LISTED]
     directory.mkdir(parents=True, exist_ok=True)
     for index, (path, size) in enumerate(listed):
         if size > STANDBY_LIMIT:
             continue
         local = directory / f"standby{index}.json"
         try:
-            transport.read_side_file(path, local, size=size)
+            files.read_side_file(path, local, size=size)
             data = json.loads(local.read_text(encoding="utf-8"))
             node, when = str(data["node_id"]), float(data["announced_at"])
         except (TransportError, ValueError, KeyError, TypeError, UnicodeDecodeError):

@@ -145,7 +145,7 @@ def prepare_master(
         stop,
         then="using local state",
     )
-    choice = select_startup_state(outer.has_local_state, outer.outer_step, remote)
+    choice = select_startup_state(outer.keeper.has_local_state, outer.outer_step, remote)
     store_step: int | None = None
     if choice in (StartupChoice.REMOTE, StartupChoice.REMOTE_INITIAL):
         assert remote is not None
@@ -154,20 +154,22 @@ def prepare_master(
         if tensors is not None and choice is StartupChoice.REMOTE:
             stored = read_store_state(transport, remote, cache_dir, tensors)
         if stored is not None:
-            outer.adopt_state(stored, remote)
+            outer.keeper.adopt_state(stored, remote)
             choice = StartupChoice.STORE
         elif tensors is not None:
-            outer.adopt(remote.outer_step, tensors, remote.processed, remote.nodes, remote)
+            outer.keeper.adopt(remote.outer_step, tensors, remote.processed, remote.nodes, remote)
         else:
             # Train on, but number the next outer step after the store's version.
-            choice = StartupChoice.LOCAL if outer.has_local_state else StartupChoice.BOOTSTRAP
+            choice = (
+                StartupChoice.LOCAL if outer.keeper.has_local_state else StartupChoice.BOOTSTRAP
+            )
             store_step = remote.outer_step
     if choice is StartupChoice.BOOTSTRAP:
-        outer.bootstrap(current_weights())
+        outer.keeper.bootstrap(current_weights())
     if store_step is not None:
-        outer.continue_after(store_step)
+        outer.keeper.continue_after(store_step)
     elif choice is StartupChoice.LOCAL and (remote is None or remote.outer_step < outer.outer_step):
-        outer.mark_unpublished()
+        outer.keeper.mark_unpublished()
     log.info("master startup: %s state at outer step %d", choice.value, outer.outer_step)
     outer.check_current()
     return outer

@@ -177,11 +177,12 @@ def collect_status(transport: Any, now: float | None = None) -> RunStatus:
 def _split_left(status: RunStatus, transport: Any, listing: list[Any]) -> None:
     """Move the nodes that left (a left record, no delta past its last step) from
     ``status.nodes`` to ``status.left``."""
-    from speedtronic_diloco.transports.members import MemberRecords
+    from speedtronic_diloco.transports.members import member_records_of
 
-    if not isinstance(transport, MemberRecords):
+    members = member_records_of(transport)
+    if members is None:
         return
-    found = _attempt(status, "left records", transport.read_left)
+    found = _attempt(status, "left records", members.read_left)
     if found is None:
         return
     status.problems.extend(f"left record: {problem}" for problem in found.refused)

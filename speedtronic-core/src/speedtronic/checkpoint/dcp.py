@@ -223,7 +223,7 @@ def _save_once(
     if problem:
         raise CheckpointError(problem)
     if parallel.is_main:
-        manager.apply_retention(step)
+        manager.storage.apply_retention(step)
     parallel.barrier()  # no rank reads the directory before retention is done
     return final
 
@@ -286,7 +286,7 @@ def _finish(
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
     fsync_file(staging / MANIFEST)
     fsync_dir(staging)
-    manager.move_into_place(staging, final)
+    manager.storage.move_into_place(staging, final)
     atomic_write_text(
         manager.directory / POINTER,
         json.dumps({"checkpoint": final.name, "step": step, "format": FORMAT_VERSION}) + "\n",

@@ -25,34 +25,15 @@ in a warning and the next older one is tried.
 
 from __future__ import annotations
 
-import errno
-import json
 import logging
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import save_file
-
-from speedtronic.checkpoint import statecodec
-from speedtronic.checkpoint.fileio import (
-    atomic_write_text,
-    free_space,
-    fsync_dir,
-    fsync_file,
-    probe_writable,
-    sha256_chunks,
-)
-from speedtronic.checkpoint.names import (
-    checkpoint_name,
-    overwrite_refusal,
-    step_of,
-)
+from speedtronic.checkpoint.fileio import free_space
+from speedtronic.checkpoint.names import checkpoint_name, overwrite_refusal, step_of
 from speedtronic.checkpoint.policy import BackgroundWrite, SavedCheckpoint, SavePolicy
 from speedtronic.checkpoint.reader import (
     BEST_POINTER,
@@ -62,10 +43,10 @@ from speedtronic.checkpoint.reader import (
     POINTER,
     STATE,
     TENSORS,
-    CheckpointReader,
     LoadedCheckpoint,
 )
 from speedtronic.checkpoint.runlock import RunLock
+from speedtronic.checkpoint.storage import CheckpointStorage
 from speedtronic.checkpoint.writer import CheckpointWriter
 from speedtronic.errors import CheckpointError
 from speedtronic.parallel.context import SINGLE_PROCESS, ParallelContext
@@ -87,12 +68,8 @@ __all__ = [
 
 log = logging.getLogger("speedtronic.checkpoint")
 
-# Anything in the directory starting with this is ours and unreferenced: staging directories
-# of interrupted saves, parked copies of a re-saved step, checkpoints being deleted.
-_HIDDEN_PREFIX = ".step_"
 
-
-class CheckpointManager(CheckpointReader):
+class CheckpointManager:
     """Writes, verifies, retains and loads the checkpoints of one run in ``directory``, and
     decides when a run saves (:meth:`maybe_save`, after its ``policy``).
 
@@ -101,7 +78,9 @@ class CheckpointManager(CheckpointReader):
     raises the same :class:`CheckpointError`. Its ``writer`` (the run's strategy picks it: the
     whole state by rank 0, or under ``parallel.strategy: fsdp`` a
     :class:`speedtronic.checkpoint.dcp.ShardedWriter` whose ranks each write their shards)
-    writes each save; the policy, retention and pointers stay the same.
+    writes each save; the policy, retention and pointers stay the same. Its ``storage`` (a
+    :class:`~speedtronic.checkpoint.storage.CheckpointStorage`) reads and writes the directory;
+    the manager offers the storage's reading and writing calls as its own.
     """
 
     def __init__(
@@ -112,10 +91,8 @@ class CheckpointManager(CheckpointReader):
         policy: SavePolicy | None = None,
         parallel: ParallelContext | None = None,
     ) -> None:
-        if keep_last < 1:
-            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-        super().__init__(directory)
-        self.keep_last = keep_last
+        self.storage = CheckpointStorage(directory, keep_last)
+        self.directory = self.storage.directory
         self.policy = policy or SavePolicy()
         self.parallel = parallel or SINGLE_PROCESS
         # What checkpoint.every_seconds measures with; a test may give its own.
@@ -169,7 +146,7 @@ class CheckpointManager(CheckpointReader):
             if not self.policy.writes:
                 return
             try:
-                self.check_writable(best=self.policy.keep_best)
+                self.storage.check_writable(best=self.policy.keep_best)
             except OSError as exc:
                 where = f": {exc.filename}" if exc.filename else ""
                 raise CheckpointError(
@@ -296,7 +273,7 @@ class CheckpointManager(CheckpointReader):
         for) and the write to run in the background; None on the other ranks."""
         if not self.parallel.is_main:
             return None
-        snapshot = self._encode(step, state, copy=True)
+        snapshot = self.storage.encode(step, state, copy=True)
         return lambda: self._write_with_retry(step, snapshot)
 
     def _saved(self, step: int) -> None:
@@ -305,14 +282,14 @@ class CheckpointManager(CheckpointReader):
 
     def _write_with_retry(self, step: int, state: Any) -> Path:
         """Encode (unless ``state`` is already an encoded snapshot) and write, retrying once."""
-        text, tensors = state if isinstance(state, tuple) else self._encode(step, state)
+        text, tensors = state if isinstance(state, tuple) else self.storage.encode(step, state)
         try:
-            return self._write_encoded(step, text, tensors)
+            return self.storage.write_encoded(step, text, tensors)
         except CheckpointError as exc:
             pause = self.policy.retry_pause
             log.warning("%s; retrying once in %.0f s", exc, pause)
             time.sleep(pause)
-            return self._write_encoded(step, text, tensors)
+            return self.storage.write_encoded(step, text, tensors)
 
     def _write_on_ranks(self, step: int, write: Callable[[], Path]) -> Path:
         """Rank 0 writes; every rank gets the path or raises rank 0's error."""
@@ -336,152 +313,42 @@ class CheckpointManager(CheckpointReader):
         if problem:
             raise CheckpointError(problem)
 
-    # ------------------------------------------------------------------ writing
+    # ------------------------------------------------------------------ the storage's calls
+    def candidates(self) -> list[Path]:
+        """Checkpoint directories, newest first (:meth:`CheckpointReader.candidates`)."""
+        return self.storage.candidates()
+
+    def pointer_target(self, pointer_name: str = POINTER) -> Path | None:
+        """The checkpoint a pointer file names (:meth:`CheckpointReader.pointer_target`)."""
+        return self.storage.pointer_target(pointer_name)
+
+    def verify(self, path: Path) -> int:
+        """Check one checkpoint against its manifest; its step (:meth:`CheckpointReader.verify`)."""
+        return self.storage.verify(path)
+
+    def read(
+        self, path: Path, check: Callable[[Any], None] | None = None, *, weights: bool = True
+    ) -> LoadedCheckpoint:
+        """Verify and decode one checkpoint directory (:meth:`CheckpointReader.read`)."""
+        return self.storage.read(path, check, weights=weights)
+
+    def load(
+        self, which: str = "latest", check: Callable[[Any], None] | None = None
+    ) -> LoadedCheckpoint:
+        """``latest``, ``best`` or a checkpoint directory (:meth:`CheckpointReader.load`)."""
+        return self.storage.load(which, check)
+
+    def load_latest(
+        self, check: Callable[[Any], None] | None = None, *, weights: bool = True
+    ) -> LoadedCheckpoint | None:
+        """The newest usable checkpoint or None (:meth:`CheckpointReader.load_latest`)."""
+        return self.storage.load_latest(check, weights=weights)
+
     def save(self, step: int, state: Any) -> Path:
-        """Durably write ``state`` as the checkpoint of ``step``, point ``latest.json`` at it,
-        then apply retention. Raises :class:`CheckpointError`; on failure the previous
-        checkpoint stays the latest one. This is the storage step alone: when to save, retries
-        and ranks are :meth:`maybe_save`'s business."""
-        return self._write_encoded(step, *self._encode(step, state))
+        """Durably write the checkpoint of ``step`` now, on this process, without the run's
+        policy or ranks (:meth:`CheckpointStorage.save`)."""
+        return self.storage.save(step, state)
 
-    def _encode(self, step: int, state: Any, copy: bool = False) -> tuple[str, dict[str, Any]]:
-        try:
-            json_tree, tensors = statecodec.encode(state, copy=copy)
-            text = json.dumps(json_tree, allow_nan=False, separators=(",", ":"))
-        except (TypeError, ValueError) as exc:
-            raise CheckpointError(
-                f"cannot serialise the state for checkpoint {checkpoint_name(step)}: {exc}"
-            ) from exc
-        return text, tensors
-
-    def _write_encoded(self, step: int, text: str, tensors: dict[str, Any]) -> Path:
-        name = checkpoint_name(step)
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            final = self._write(name, step, state_json=text, tensors=tensors)
-            atomic_write_text(
-                self.directory / POINTER,
-                json.dumps({"checkpoint": name, "step": step, "format": FORMAT_VERSION}) + "\n",
-            )
-        except Exception as exc:  # OSError, or safetensors' own error for a full disk
-            raise CheckpointError(
-                f"could not write checkpoint {name} in {self.directory}: "
-                f"{type(exc).__name__}: {exc} ({free_space(self.directory)})"
-            ) from None
-        self.apply_retention(step)
-        log.debug("checkpoint %s written", final)
-        return final
-
-    def _write(self, name: str, step: int, *, state_json: str, tensors: dict[str, Any]) -> Path:
-        staging = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=self.directory))
-        try:
-            save_file(tensors, str(staging / TENSORS), metadata={"format": str(FORMAT_VERSION)})
-            (staging / STATE).write_text(state_json, encoding="utf-8")
-            # Hash (from the page cache) while the kernel flushes the same files to disk.
-            with ThreadPoolExecutor(1, thread_name_prefix="fsync") as flusher:
-                flushed = [flusher.submit(fsync_file, staging / f) for f in (TENSORS, STATE)]
-                files = {f: _describe(staging / f) for f in (TENSORS, STATE)}
-                for future in flushed:
-                    future.result()
-            manifest = {"format": FORMAT_VERSION, "step": step, "files": files}
-            (staging / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
-            fsync_file(staging / MANIFEST)
-            fsync_dir(staging)
-            final = self.directory / name
-            self.move_into_place(staging, final)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        # Cheap last check before the pointer moves: the files in place are the ones hashed.
-        for filename, expected in files.items():
-            size = (final / filename).stat().st_size
-            if size != expected["size"]:
-                raise OSError(
-                    f"{final / filename} has {size} bytes after the rename, "
-                    f"expected {expected['size']}"
-                )
-        return final
-
-    def move_into_place(self, staging: Path, final: Path) -> None:
-        """Rename a fully written, fsynced ``staging`` directory to ``final`` (replacing a
-        checkpoint of the same step) and fsync the directory."""
-        if final.exists():
-            # Re-saving a step, normally after resuming from an older checkpoint, so latest.json
-            # names that older one and a crash between the two renames is harmless. (Should it
-            # name this very step, saved twice, such a crash makes the next resume fall back
-            # to the next older checkpoint, with a warning.)
-            parked = self.directory / f"{_HIDDEN_PREFIX}{final.name[5:]}.old"
-            shutil.rmtree(parked, ignore_errors=True)
-            os.replace(final, parked)
-            os.replace(staging, final)
-            fsync_dir(self.directory)
-            shutil.rmtree(parked, ignore_errors=True)
-        else:
-            os.replace(staging, final)
-            fsync_dir(self.directory)
-
-    def apply_retention(self, step: int) -> None:
-        """Delete the checkpoints older than ``step`` past ``keep_last`` (never the best one)."""
-        # Only checkpoints older than the new one count: a higher-numbered directory is either
-        # one that failed verification on resume (it is replaced when the run gets there) or
-        # one from an earlier run in the same directory, which is not ours to delete.
-        best = self.pointer_target(BEST_POINTER)
-        older = [p for p in self.candidates() if (step_of(p.name) or 0) < step and p != best]
-        for path in older[self.keep_last - 1 :]:
-            # Hide first (atomic), then delete: a crash mid-delete never leaves a visible,
-            # half-deleted checkpoint that a later resume would have to skip.
-            doomed = self.directory / f"{_HIDDEN_PREFIX}{path.name[5:]}.deleting"
-            try:
-                shutil.rmtree(doomed, ignore_errors=True)
-                os.replace(path, doomed)
-            except OSError as exc:
-                log.warning("could not remove old checkpoint %s: %s", path, exc)
-                continue
-            log.debug("retention: removing %s", path.name)
-        # No fsync here: if a crash undoes the hiding rename, an old complete checkpoint
-        # simply reappears and is removed by the next save.
-        for stale in self.directory.glob(f"{_HIDDEN_PREFIX}*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        # A kill during an earlier pointer update can leave its temp file behind; the pointer
-        # just written is durable, so any such file is garbage.
-        for stale in self.directory.glob(f".{POINTER}.*.tmp"):
-            stale.unlink(missing_ok=True)
-
-    def check_writable(self, best: bool = False) -> None:
-        """Prove, before a run trains, that its saves can write every path they will: the
-        directory (a probe file is created, fsynced, renamed and removed), ``latest.json``
-        (and ``best.json`` with ``best``), which a save replaces by a rename that fails if a
-        directory stands there, and the ``step_NNNNNNNN`` names, where a dangling symlink
-        makes the rename of a new checkpoint fail. Raises ``OSError`` naming the path."""
-        probe_writable(self.directory)
-        for name in (POINTER, BEST_POINTER) if best else (POINTER,):
-            path = self.directory / name
-            if path.is_dir() and not path.is_symlink():
-                raise IsADirectoryError(
-                    errno.EISDIR, "a directory stands where a save writes", str(path)
-                )
-        for path in self.directory.iterdir():
-            if step_of(path.name) is not None and path.is_symlink() and not path.exists():
-                raise FileExistsError(
-                    errno.EEXIST, "a dangling symlink stands where a save writes", str(path)
-                )
-
-    # ------------------------------------------------------------------ reading
     def mark_best(self, step: int, eval_loss: float) -> None:
-        """Point ``best.json`` at the (already written) checkpoint of ``step``."""
-        name = checkpoint_name(step)
-        if not (self.directory / name / MANIFEST).is_file():
-            raise CheckpointError(f"cannot mark {name} as best: it is not a complete checkpoint")
-        atomic_write_text(
-            self.directory / BEST_POINTER,
-            json.dumps({"checkpoint": name, "step": step, "eval_loss": eval_loss}) + "\n",
-        )
-
-
-def _describe(path: Path) -> dict[str, Any]:
-    """The manifest entry of one file: size and per-slice sha256."""
-    return {
-        "size": path.stat().st_size,
-        "chunk_bytes": HASH_CHUNK_BYTES,
-        "sha256": sha256_chunks(path, HASH_CHUNK_BYTES),
-    }
+        """Point ``best.json`` at the written checkpoint of ``step``."""
+        self.storage.mark_best(step, eval_loss)

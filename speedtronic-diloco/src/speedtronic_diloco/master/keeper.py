@@ -40,7 +40,7 @@ def _field(name: str, doc: str) -> Any:
         return getattr(self.state, name)
 
     def put(self: OuterStateKeeper, value: Any) -> None:
-        with self._lock:
+        with self.lock:
             setattr(self.state, name, value)
 
     return property(get, put, doc=doc)
@@ -48,7 +48,8 @@ def _field(name: str, doc: str) -> Any:
 
 class OuterStateKeeper:
     """The master's :class:`OuterState`, guarded by a lock and persisted under ``state_dir``
-    (constructing it loads the state file when there is one)."""
+    (constructing it loads the state file when there is one). ``lock`` is held by whoever
+    reads several fields as one or replaces the state."""
 
     outer_step = _field("outer_step", "The current outer step.")
     global_state = _field("global_state", "The current global weights (None before any).")
@@ -67,7 +68,7 @@ class OuterStateKeeper:
         self.keep_history = keep
         self.has_local_state = False
         self.state = OuterState()
-        self._lock = threading.RLock()
+        self.lock = threading.RLock()
         self.load()
         self.set_fragments(fragments)
 
@@ -91,7 +92,7 @@ class OuterStateKeeper:
         """Run with streaming fragments (see :mod:`speedtronic_diloco.fragments`); None or one
         fragment: a book of one. Counters saved for another count restart at zero, every
         fragment's version at the current outer step."""
-        with self._lock:
+        with self.lock:
             old = self.state.fragments
             book = FragmentBook(layout, steps=old.steps, versions=old.versions, files=old.files)
             book.start_master(self.state.outer_step, NORM_HISTORY)
@@ -99,7 +100,7 @@ class OuterStateKeeper:
 
     def fragment_info_at(self, outer_step: int) -> tuple[tuple[int, ...], str] | None:
         """``(fragment versions, layout)`` of the global of ``outer_step`` (None: unknown)."""
-        with self._lock:
+        with self.lock:
             return self.state.fragments.info_at(outer_step)
 
     # ----------------------------------------------------------------- state
@@ -117,7 +118,7 @@ class OuterStateKeeper:
         except TensorFileError as exc:
             log.warning("master state %s is unreadable (%s); ignoring it", path, exc)
             return False
-        with self._lock:
+        with self.lock:
             self.state = self._keeping_layout(loaded)
             self.has_local_state = True
         if loaded.halted:
@@ -140,7 +141,7 @@ class OuterStateKeeper:
 
     def save(self) -> None:
         """Persist the state in one atomic file, and keep it in the history."""
-        with self._lock:
+        with self.lock:
             if self.state.global_state is None:
                 return
             state = replace(self.state)
@@ -151,7 +152,7 @@ class OuterStateKeeper:
 
     def state_dict(self) -> dict[str, Any]:
         """The state for trainer checkpoints: the state file's encoding."""
-        with self._lock:
+        with self.lock:
             return to_checkpoint(self.state, self.node_id)
 
     def load_state_dict(self, state: dict[str, Any]) -> bool:
@@ -161,7 +162,7 @@ class OuterStateKeeper:
         saved = from_checkpoint(state)
         if self.has_local_state and saved.outer_step <= self.outer_step:
             return False
-        with self._lock:
+        with self.lock:
             saved = replace(
                 self._keeping_layout(saved),
                 global_state=saved.global_state or self.state.global_state,
@@ -173,24 +174,24 @@ class OuterStateKeeper:
 
     def has_processed(self, key: tuple[str, int]) -> bool:
         """True when the ledger holds the delta ``(node_id, local_step)``."""
-        with self._lock:
+        with self.lock:
             return key in self.state.processed
 
     def known_nodes(self) -> dict[str, int]:
         """Every node of the processed-delta ledger and its highest processed local step."""
-        with self._lock:
+        with self.lock:
             return {node: record.high for node, record in self.state.processed.nodes.items()}
 
     def snapshot(self) -> tuple[int, TensorDict] | None:
         """``(outer_step, global weights)`` under the lock, or None before any state exists."""
-        with self._lock:
+        with self.lock:
             if self.state.global_state is None:
                 return None
             return self.state.outer_step, self.state.global_state
 
     def bootstrap(self, weights: TensorDict) -> None:
         """Start from ``weights`` at outer step 0 (nothing local, nothing remote)."""
-        with self._lock:
+        with self.lock:
             self.state = replace(
                 self.state, global_state=dict(weights), momentum={}, outer_step=0, published_step=-1
             )
@@ -210,7 +211,7 @@ class OuterStateKeeper:
         Every fragment's version becomes ``outer_step`` (every node installs it all), unless
         ``remote`` (the adopted global's metadata) lists this layout's fragment files: then
         its versions and files are kept, and only fragments that move are published again."""
-        with self._lock:
+        with self.lock:
             self.state = replace(
                 self.state,
                 global_state=dict(weights),
@@ -234,7 +235,7 @@ class OuterStateKeeper:
         (:mod:`~speedtronic_diloco.master.store_state`): a successor master's next outer step
         is the one its predecessor would have made. The fragment files are those ``remote``
         (the global's metadata) lists: the state was written before they were published."""
-        with self._lock:
+        with self.lock:
             self.state = self._keeping_layout(replace(stored, published_step=stored.outer_step))
             if remote is not None:
                 with contextlib.suppress(FragmentFileError):
@@ -247,20 +248,20 @@ class OuterStateKeeper:
     def continue_after(self, store_step: int) -> None:
         """The store holds ``store_step`` but its weights could not be fetched: keep the local
         weights, do not republish, and number the next outer step after the store's."""
-        with self._lock:
+        with self.lock:
             self.state.outer_step = max(self.state.outer_step, store_step)
             self.state.published_step = self.state.outer_step
         self.save()
 
     def mark_unpublished(self) -> None:
         """Publish the current state on the next chance (the store is behind)."""
-        with self._lock:
+        with self.lock:
             self.state.published_step = -1
 
     def halt_if_not_finite(self) -> str | None:
         """Halt when the current global is not finite (a store or state file written by
         something else); returns why, or None (also when already halted)."""
-        with self._lock:
+        with self.lock:
             state = self.state
             if state.global_state is None or state.halted:
                 return None

@@ -31,6 +31,7 @@ from speedtronic_diloco.fragments import FragmentLayout
 from speedtronic_diloco.ledger import Housekeeper, Verdict
 from speedtronic_diloco.master.intake import Fetched, Intake, Intaken, Refused
 from speedtronic_diloco.master.keeper import OuterStateKeeper
+from speedtronic_diloco.master.outer_thread import OuterThread
 from speedtronic_diloco.master.publish import Publication, Publisher
 from speedtronic_diloco.master.report import Emit, Reporter
 from speedtronic_diloco.master.round import OuterPolicy, RoundResult, guarded, run_round
@@ -41,8 +42,6 @@ from speedtronic_diloco.tensors import TensorDict
 from speedtronic_diloco.transports.base import (
     DeltaInfo,
     GlobalMetadata,
-    LeaseError,
-    LeaseLostError,
     Transport,
 )
 
@@ -55,12 +54,14 @@ class OuterLoopStopped(SpeedtronicError):
     """The master's outer thread died (a lost lease, an unexpected error): the run stops."""
 
 
-class MasterOuterLoop(OuterStateKeeper):
+class MasterOuterLoop:
     """The master's outer optimizer over the store's deltas, with persisted state.
 
-    Constructing it loads ``<state_dir>/outer_state.safetensors`` when present (the state
-    itself is kept by :class:`~speedtronic_diloco.master.keeper.OuterStateKeeper`). Public reads
-    (:meth:`snapshot`) take a lock and return immutable references: each round builds new
+    Constructing it loads ``<state_dir>/outer_state.safetensors`` when present: the state is
+    its ``keeper``'s (:class:`~speedtronic_diloco.master.keeper.OuterStateKeeper`, which also
+    starts it: bootstrap, adopt, continue after the store). The loop offers the reads a caller
+    needs most (:attr:`outer_step`, :attr:`global_state`, :meth:`snapshot`, the checkpoint
+    state); they take the keeper's lock and return immutable references: each round builds new
     tensors rather than changing published ones in place.
     """
 
@@ -90,20 +91,18 @@ class MasterOuterLoop(OuterStateKeeper):
         self.outer_lr = outer_lr
         self.outer_momentum = outer_momentum
         self.rules = rules or AggregationRules()
-        super().__init__(node_id, state_dir, self.rules.keep_history, fragments)
+        self.node_id = node_id
+        self.keeper = OuterStateKeeper(node_id, state_dir, self.rules.keep_history, fragments)
         self.policy = RoundPolicy.of(self.rules, clock)
         self.membership = Membership(transport)  # the nodes that left: not waited for
         #: ``evaluate(global weights) -> held-out loss``; called before each publication.
         self.evaluate = evaluate
         #: The master's lease (:class:`~speedtronic_diloco.lease.LeaseKeeper`), or None.
         self.lease: Any = lease
-        #: What ended the outer thread (a lost lease, an unexpected error), or None.
-        self.failure: BaseException | None = None
         self.last_published: GlobalMetadata | None = None
         # Rounds and publications never overlap (the thread and a direct caller share files).
         self._round_lock = threading.RLock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.thread = OuterThread(self._turn, lambda: self.lease)
         self._extra: dict[str, Any] = {}  # the last round's entry of the published `extra`
         self._final_nodes: set[str] = set()
         self._bytes_in = 0  # delta bytes downloaded since the last reported round
@@ -121,7 +120,7 @@ class MasterOuterLoop(OuterStateKeeper):
             signing_key=self.rules.signing_key,
             compression=global_compression,
         )
-        self.reporter = Reporter(emit, self.state_dir)
+        self.reporter = Reporter(emit, self.keeper.state_dir)
         self.housekeeper = Housekeeper(
             transport,
             keep_outer_steps=keep_outer_steps,
@@ -132,7 +131,36 @@ class MasterOuterLoop(OuterStateKeeper):
         )
 
     def _stopper(self) -> threading.Event:
-        return self._stop
+        return self.thread.stop_event
+
+    # ----------------------------------------------------------------- the state's reads
+    @property
+    def outer_step(self) -> int:
+        """The current outer step (the keeper's)."""
+        return self.keeper.outer_step
+
+    @property
+    def global_state(self) -> TensorDict | None:
+        """The current global weights, None before any (the keeper's)."""
+        return self.keeper.global_state
+
+    @property
+    def halted(self) -> str | None:
+        """Why the loop stopped publishing (a bad candidate), or None."""
+        return self.keeper.halted
+
+    def snapshot(self) -> tuple[int, TensorDict] | None:
+        """``(outer_step, global weights)`` under the lock, or None before any state exists."""
+        return self.keeper.snapshot()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The outer state for trainer checkpoints (:meth:`OuterStateKeeper.state_dict`)."""
+        return self.keeper.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> bool:
+        """Adopt checkpointed outer state ahead of the state file's
+        (:meth:`OuterStateKeeper.load_state_dict`)."""
+        return self.keeper.load_state_dict(state)
 
     # ----------------------------------------------------------------- settings
     @property
@@ -147,8 +175,8 @@ class MasterOuterLoop(OuterStateKeeper):
     def publish(self, deltas_included: int = 0) -> GlobalMetadata | None:
         """Publish the current global weights and metadata (signed with a key); None (with a
         warning) on failure, and always None while the loop is halted."""
-        with self._lock:
-            state = self.state
+        with self.keeper.lock:
+            state = self.keeper.state
             if state.global_state is None:
                 return None
             if state.halted:
@@ -161,21 +189,21 @@ class MasterOuterLoop(OuterStateKeeper):
             published = self.publisher.publish(item)
         if published is None:
             return None
-        with self._lock:
-            self.state.published_step = max(self.state.published_step, step)
+        with self.keeper.lock:
+            self.keeper.state.published_step = max(self.keeper.state.published_step, step)
             self.last_published = published
             if published.fragment_files:  # published one file per fragment
-                self.state.fragments.files = list(published.fragment_files)
+                self.keeper.state.fragments.files = list(published.fragment_files)
         with contextlib.suppress(OSError):
-            self.save()
+            self.keeper.save()
         log.info("published outer step %d to %s", step, self.transport.description)
         return published
 
     def publish_if_behind(self) -> bool:
         """Publish when the store has not seen the current outer step yet."""
         with self._round_lock:
-            with self._lock:
-                state = self.state
+            with self.keeper.lock:
+                state = self.keeper.state
                 behind = state.global_state is not None and state.published_step < state.outer_step
             return behind and self.publish() is not None
 
@@ -195,14 +223,14 @@ class MasterOuterLoop(OuterStateKeeper):
         the first pending delta. With ``rounds: sync``: every live node has a delta computed
         from the current global pending, or ``round_timeout`` since the first such delta."""
         with self._round_lock:
-            if self.halted:
-                self.reporter.still_halted(self.halted)
+            if self.keeper.halted:
+                self.reporter.still_halted(self.keeper.halted)
                 return None
             listing = self.intake.list_deltas()
             if listing is None:
                 return None
             new = self._prefetch(listing, abort)
-            decision = _decide(self.intake, self.policy, new, self.outer_step)
+            decision = _decide(self.intake, self.policy, new, self.keeper.outer_step)
             if not decision.go:
                 return None
             result = self._round(abort, listing, decision, waiting=True)
@@ -211,12 +239,12 @@ class MasterOuterLoop(OuterStateKeeper):
             return result
 
     def _new_deltas(self, listing: list[DeltaInfo]) -> list[DeltaInfo]:
-        with self._lock:
-            return self.state.processed.candidates(listing)
+        with self.keeper.lock:
+            return self.keeper.state.processed.candidates(listing)
 
     def _fetch(self, info: DeltaInfo, reference: TensorDict) -> Intaken | None:
-        with self._lock:
-            book, signatures = self.state.fragments, tuple(self.state.signatures)
+        with self.keeper.lock:
+            book, signatures = self.keeper.state.fragments, tuple(self.keeper.state.signatures)
         outcome = self.intake.fetch(
             info, reference, book, processed=self._seen, signatures=signatures
         )
@@ -228,8 +256,8 @@ class MasterOuterLoop(OuterStateKeeper):
 
     def _seen(self, info: DeltaInfo, content: str) -> bool:
         """The same bytes as a processed delta (touched, copied back)."""
-        with self._lock:
-            ledger = self.state.processed
+        with self.keeper.lock:
+            ledger = self.keeper.state.processed
             return ledger.verdict(info) is Verdict.CHECK and ledger.same_content(info, content)
 
     def _prefetch(
@@ -241,7 +269,7 @@ class MasterOuterLoop(OuterStateKeeper):
         for info in new:
             self.policy.saw(info.node_id)
         self.policy.left(self.membership.gone(listing))
-        reference = self.global_state
+        reference = self.keeper.global_state
         if reference is not None:
             self.intake.prefetch(new, lambda info: self._fetch(info, reference), abort)
             for node in self.intake.only_refused(new):  # not waited for: see Intake
@@ -258,8 +286,8 @@ class MasterOuterLoop(OuterStateKeeper):
     ) -> RoundResult | None:
         """One round over ``listing``'s new deltas (taking those fetched ahead when
         ``waiting``): intake, the pure round, then keep, record, save, report, publish."""
-        with self._lock:
-            state = self.state
+        with self.keeper.lock:
+            state = self.keeper.state
             if state.global_state is None or state.halted:
                 return None
         listing = listing if listing is not None else self.intake.list_deltas()
@@ -297,10 +325,10 @@ class MasterOuterLoop(OuterStateKeeper):
         after = result.state
         assert after is not None
         step = after.outer_step
-        with self._lock:
-            if step > self.state.outer_step:
+        with self.keeper.lock:
+            if step > self.keeper.state.outer_step:
                 after.fragments.after_round(result.groups, step)
-            self.state = after
+            self.keeper.state = after
             result.record(after.processed, {o.info.key: o.content for o in outcomes})
             included = [d for c in result.contributions for d in c.deltas]
             self._final_nodes.update(d.node_id for d in included if d.final)
@@ -308,9 +336,9 @@ class MasterOuterLoop(OuterStateKeeper):
             self.reporter.accepted(contribution.node_id)
         for info, why in result.refusals:
             record = self.reporter.rejected(info, why, step)
-            with self._lock:
-                self.state.rejections = [*self.state.rejections, record]
-                self.state.trimmed()
+            with self.keeper.lock:
+                self.keeper.state.rejections = [*self.keeper.state.rejections, record]
+                self.keeper.state.trimmed()
             if why.reason != "late":  # a late node is still live: the next round waits for it
                 self.policy.rejected(info.node_id)
         for contribution in result.contributions:
@@ -322,7 +350,7 @@ class MasterOuterLoop(OuterStateKeeper):
         if result.accepted:
             self._extra = result.published_extra()
         with contextlib.suppress(OSError):
-            self.save()  # before publishing: see the module docstring
+            self.keeper.save()  # before publishing: see the module docstring
         if result.accepted:
             fields = {
                 "bytes_received": self._bytes_in,
@@ -339,17 +367,18 @@ class MasterOuterLoop(OuterStateKeeper):
         fence = self.lease.check() if self.lease is not None else None
         if self.lease is not None and self.lease.supported and fence is None:
             return  # not holding the lease (yet): delete nothing
-        with self._lock:
-            ledger, step = self.state.processed, self.state.outer_step
-        self.housekeeper.after_round(ledger, listing, step, fence=fence, stop=self._stop)
+        with self.keeper.lock:
+            ledger, step = self.keeper.state.processed, self.keeper.state.outer_step
+        stop = self.thread.stop_event
+        self.housekeeper.after_round(ledger, listing, step, fence=fence, stop=stop)
 
     # ----------------------------------------------------------------- halting, the end
     def check_current(self) -> None:
         """Halt (loudly) when the current global itself is not finite (a store or state file
         written by something else)."""
-        reason = self.halt_if_not_finite()
+        reason = self.keeper.halt_if_not_finite()
         if reason is not None:
-            self.reporter.halted(reason, self.outer_step)
+            self.reporter.halted(reason, self.keeper.outer_step)
 
     def finish(self, timeout: float) -> GlobalMetadata | None:
         """End of training (the thread is stopped): wait at most ``timeout`` seconds for the
@@ -361,7 +390,7 @@ class MasterOuterLoop(OuterStateKeeper):
         with self._round_lock:
             try:
                 listing = None
-                while not self.halted:
+                while not self.keeper.halted:
                     seen = self.intake.list_deltas()
                     listing = seen if seen is not None else listing
                     if seen is not None:
@@ -374,76 +403,47 @@ class MasterOuterLoop(OuterStateKeeper):
                     if not expected or time.monotonic() >= deadline:
                         break
                     time.sleep(0.2)
-                if listing is not None and not self.halted:
+                if listing is not None and not self.keeper.halted:
                     self._round(None, listing, reason="final", waiting=True)
                     self.policy.round_done()
             finally:
                 self.intake.drop_all()
-            if self.halted:
-                self.reporter.still_halted(self.halted)
+            if self.keeper.halted:
+                self.reporter.still_halted(self.keeper.halted)
             else:
                 self.publish_if_behind()
-        with self._lock:
-            step, published = self.state.outer_step, self.last_published
+        with self.keeper.lock:
+            step, published = self.keeper.state.outer_step, self.last_published
         final = published if published is not None and published.outer_step == step else None
         if final is not None:
             where = f"{self.transport.description.rstrip('/')}/{final.model_file}"
         else:
-            where = f"not published; local state {self.state_path}"
+            where = f"not published; local state {self.keeper.state_path}"
         self.reporter.final(step, where)
         return final
 
     # ----------------------------------------------------------------- thread
     def start(self, interval: float) -> None:
         """Run publish-if-behind and :meth:`tick` every ``interval`` seconds in a daemon
-        thread."""
-        if self._thread is not None and self._thread.is_alive():
-            return
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._loop, args=(interval,), name="diloco-outer", daemon=True
-        )
-        self._thread.start()
-
-    def _loop(self, interval: float) -> None:
-        try:
-            while not self._stop.is_set():
-                try:
-                    if self.lease is not None:  # lost: stop now, not at the next publication
-                        self.lease.check()
-                    self.publish_if_behind()
-                    self.tick(abort=self._stop)
-                except LeaseError as exc:  # another master took over: this one must stop
-                    if isinstance(exc, LeaseLostError) and self.lease is not None:
-                        # Whichever fenced write met the new holder first (a publication, a
-                        # deletion, a renewal), the lease keeper says so in its one line.
-                        self.lease.mark_lost(str(exc))
-                    raise
-                except Exception:  # the outer thread must outlive one bad round
-                    log.exception("outer round failed")
-                self._stop.wait(max(interval, 0.05))
-        except BaseException as exc:  # never end silently: the coordinator stops the run
-            self.failure = exc
-            if isinstance(exc, LeaseError) and getattr(self.lease, "failover", False):
-                return  # fenced: the lease keeper said so; the node goes on as a worker
-            log.critical(
-                "!!! DumbDiLoCo master: the outer loop stopped (%s: %s); nothing more is "
-                "aggregated or published, and the run stops",
-                type(exc).__name__,
-                exc,
-            )
+        thread (:class:`~speedtronic_diloco.master.outer_thread.OuterThread`)."""
+        self.thread.start(interval)
 
     def stop(self, timeout: float = 10.0) -> bool:
         """Ask the thread to stop after its current round; True when it ended in time."""
-        self._stop.set()
-        if self._thread is None:
-            return True
-        self._thread.join(max(0.0, timeout))
-        return not self._thread.is_alive()
+        return self.thread.stop(timeout)
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self.thread.running
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What ended the outer thread (a lost lease, an unexpected error), or None."""
+        return self.thread.failure
+
+    def _turn(self, stop: threading.Event) -> None:
+        self.publish_if_behind()
+        self.tick(abort=stop)
 
     def raise_if_failed(self) -> None:
         """Raise :class:`OuterLoopStopped` once the outer thread has died (the coordinator

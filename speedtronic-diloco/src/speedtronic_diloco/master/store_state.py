@@ -35,9 +35,9 @@ from speedtronic_diloco.tensors import TensorDict, TensorFileError, load_tensors
 from speedtronic_diloco.transports.base import GlobalMetadata, Lease, Transport
 from speedtronic_diloco.transports.side_files import (
     OUTER_STATE_DIR,
-    SideFiles,
     check_side_path,
     outer_state_path,
+    side_files_of,
 )
 
 __all__ = [
@@ -63,7 +63,7 @@ _STEP = re.compile(r"/s(\d{8})-")
 
 def stores_state(transport: Transport) -> bool:
     """True when ``transport`` keeps side files (the outer state goes to the store)."""
-    return isinstance(transport, SideFiles)
+    return side_files_of(transport) is not None
 
 
 def put_store_state(
@@ -75,16 +75,17 @@ def put_store_state(
 ) -> dict[str, Any]:
     """Write the encoded state of ``outer_step`` to the store (fenced; older state files
     beyond :data:`KEEP_STATES` are deleted with it) and return its metadata entry."""
-    assert isinstance(transport, SideFiles)
+    files = side_files_of(transport)
+    assert files is not None
     directory.mkdir(parents=True, exist_ok=True)
     local = directory / f"outer_state_{outer_step:08d}.safetensors"
     try:
         save_tensors(local, *encoded)
         sha = sha256_file(local)
         path = outer_state_path(outer_step, sha)
-        existing = sorted(transport.list_side_files(OUTER_STATE_DIR), key=lambda e: _step(e[0]))
+        existing = sorted(files.list_side_files(OUTER_STATE_DIR), key=lambda e: _step(e[0]))
         keep = {name for name, _ in existing[-(KEEP_STATES - 1) :]}
-        transport.write_side_file(path, local, fence=fence, keep=keep, with_publication=True)
+        files.write_side_file(path, local, fence=fence, keep=keep, with_publication=True)
         return {"file": path, "sha256": sha, "size": local.stat().st_size, "outer_step": outer_step}
     finally:
         with contextlib.suppress(FileNotFoundError):
@@ -109,13 +110,14 @@ def read_store_state(
     entry = metadata.extra.get(STATE_ENTRY) if isinstance(metadata.extra, dict) else None
     if entry is None or not stores_state(transport):
         return None
-    assert isinstance(transport, SideFiles)
+    files = side_files_of(transport)
+    assert files is not None
     where = f"{transport.description}: the outer state of outer step {metadata.outer_step}"
     local = directory / f"store_outer_state_{metadata.outer_step:08d}.safetensors"
     try:
         path, sha, size, step = _entry(entry, metadata)
         directory.mkdir(parents=True, exist_ok=True)
-        transport.read_side_file(path, local, size=size, sha256=sha, revision=metadata.revision)
+        files.read_side_file(path, local, size=size, sha256=sha, revision=metadata.revision)
         tensors, meta = load_tensors(local)
         state = decode(tensors, meta)
         _check(state, step, reference)

@@ -123,7 +123,7 @@ def succeed(outer: MasterOuterLoop, previous_master: str | None) -> None:
     first rounds are over, so ``min_deltas`` waits for no one to arrive), and the master it
     replaced is gone until it uploads a delta past those the store holds now. Without this the
     dead master counted as live and every round waited ``round_timeout`` for it."""
-    known = outer.known_nodes()
+    known = outer.keeper.known_nodes()
     outer.policy.known(known)
     if previous_master is None or previous_master == outer.node_id:
         return

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from speedtronic.errors import SpeedtronicError, TransportError
 from speedtronic_diloco.retry import RetryPolicy
 from speedtronic_diloco.transports.base import Transport, UnsupportedOperation
-from speedtronic_diloco.transports.members import MemberRecords
+from speedtronic_diloco.transports.members import member_records_of
 
 if TYPE_CHECKING:
     from speedtronic_diloco.node.context import NodeContext
@@ -99,10 +99,11 @@ def run_finished(
         lease = transport.read_lease()
     except (UnsupportedOperation, TransportError):
         return None
-    if lease is None or not lease.released or not isinstance(transport, MemberRecords):
+    members = member_records_of(transport)
+    if lease is None or not lease.released or members is None:
         return None
     try:
-        record = transport.read_left().records.get(lease.holder)
+        record = members.read_left().records.get(lease.holder)
     except (UnsupportedOperation, TransportError):
         return None
     if record is None or record.reason != "max_steps":

@@ -78,7 +78,7 @@ class Installer:
         ctx, book = self.ctx, self.ctx.book
         outer = self._outer()
         if outer is not None:
-            info = outer.fragment_info_at(outer_step)
+            info = outer.keeper.fragment_info_at(outer_step)
         else:
             info = self._global_info.get(outer_step)
         boundary_only = ctx.config.install_at == "boundary" and due
@@ -123,7 +123,7 @@ class Installer:
         with ctx.lock:
             outer = self._outer()
             if outer is not None:
-                done = {s for s in self.own.steps() if outer.has_processed((ctx.node_id, s))}
+                done = {s for s in self.own.steps() if outer.keeper.has_processed((ctx.node_id, s))}
             else:
                 keys = self._aggregated_at.get(outer_step, frozenset())
                 done = {s for node, s in keys if node == ctx.node_id}

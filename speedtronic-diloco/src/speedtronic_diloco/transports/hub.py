@@ -42,52 +42,40 @@ The layout is the one of :mod:`speedtronic_diloco.transports.base`. What the Hub
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
 import threading
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
-from urllib.parse import urlsplit
 
 from huggingface_hub import (
     CommitOperationAdd,
-    CommitOperationDelete,
-    HfApi,
-    get_token,
 )
 from huggingface_hub.errors import (
     HfUriError,
-    RemoteEntryNotFoundError,
     RevisionNotFoundError,
 )
 from huggingface_hub.hf_api import RepoFile
-from huggingface_hub.utils import build_hf_headers
 
-from speedtronic_diloco import __version__
 from speedtronic_diloco.identity import validate_node_id
 from speedtronic_diloco.transports.base import (
     GLOBAL_METADATA,
     GLOBAL_WEIGHTS,
     LEASE_FILE,
     LEASE_LIMIT,
-    METADATA_LIMIT,
     DeltaInfo,
     GlobalMetadata,
     IntegrityError,
     Lease,
-    LeaseConflictError,
     PermanentTransportError,
-    TransientTransportError,
     Transport,
     UnsupportedOperation,
     check_fence,
     delta_path,
     is_global_file,
     named_fragments,
-    parse_delta_path,
     redact_userinfo,
 )
 from speedtronic_diloco.transports.hub_commits import (
@@ -98,11 +86,10 @@ from speedtronic_diloco.transports.hub_commits import (
     commit_on_head,
     refuse_if_not_newer,
 )
-from speedtronic_diloco.transports.hub_errors import classify, raise_redacted, redact
-from speedtronic_diloco.transports.hub_files import HubFiles
+from speedtronic_diloco.transports.hub_fenced import delete_on_head, deltas_at, write_lease_on_head
 from speedtronic_diloco.transports.hub_members import HubMembers
-from speedtronic_diloco.transports.hub_session import hub_call
-from speedtronic_diloco.transports.side_files import check_side_path
+from speedtronic_diloco.transports.hub_repo import DEFAULT_ENDPOINT, HubRepo
+from speedtronic_diloco.transports.hub_side_files import HubSideFiles
 
 if TYPE_CHECKING:
     from speedtronic_diloco.config import DistributedConfig
@@ -117,11 +104,9 @@ __all__ = [
 
 log = logging.getLogger("speedtronic.diloco.hub")
 
-DEFAULT_ENDPOINT = "https://huggingface.co"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _GIT_OID = re.compile(r"^[0-9a-f]{40}$")
-_LIBRARY = {"library_name": "speedtronic-diloco", "library_version": __version__}
 T = TypeVar("T")
 
 
@@ -141,93 +126,7 @@ def fragment_path(index: int) -> str:
     return f"global/fragment_{index}.safetensors"
 
 
-class _SideFiles:
-    """:class:`~speedtronic_diloco.transports.side_files.SideFiles` of a Hub repository."""
-
-    def write_side_file(
-        self,
-        path: str,
-        source: Path,
-        *,
-        fence: Lease | None = None,
-        keep: Collection[str] | None = None,
-        with_publication: bool = False,
-    ) -> None:
-        """One commit adding ``path`` (and deleting the other files of its folder not in
-        ``keep``), on the head the lease was read at (fenced). ``with_publication``: held
-        back and made part of the next publication's commit instead (one atomic step)."""
-        check_side_path(path)
-        if with_publication:
-            self._staged = (path, Path(source).read_bytes(), keep)
-            return
-
-        def prepare(raced: bool) -> Commit | Done:
-            head, raw = self._head_file(LEASE_FILE, LEASE_LIMIT)
-            if fence is not None:
-                current = None if raw is None else Lease.loads(raw, f"{self.description}: lease")
-                check_fence(current, fence.holder, fence.epoch, f"{self.description}: {path}")
-            operations = self._side_operations(head, path, str(source), keep)
-            return Commit(head, operations, f"DumbDiLoCo: {path}", lambda info: None)
-
-        self._call(
-            f"write {path}",
-            lambda: commit_on_head(self._api, self.repo_id, self.description, path, prepare),
-        )
-
-    def _side_operations(
-        self, head: str, path: str, source: str | bytes, keep: Collection[str] | None
-    ) -> list[Any]:
-        """Add ``path``; delete the other files of its folder at ``head`` not in ``keep``."""
-        operations: list[Any] = [CommitOperationAdd(path, source)]
-        if keep is not None:
-            operations += [
-                CommitOperationDelete(path_in_repo=other)
-                for other, _ in self._side_files_at(path.rsplit("/", 1)[0], head)
-                if other != path and other not in keep
-            ]
-        return operations
-
-    def _take_staged(self, head: str) -> list[Any]:
-        """The operations of the side file held back for this publication (none: [])."""
-        return [] if self._staged is None else self._side_operations(head, *self._staged)
-
-    def read_side_file(
-        self,
-        path: str,
-        dest: Path,
-        *,
-        size: int,
-        sha256: str | None = None,
-        revision: str | None = None,
-    ) -> Path:
-        """Download the side file ``path`` at ``revision`` (default: the head), checked."""
-        check_side_path(path)
-        at = revision or "main"
-        return self._call(
-            f"download {path}@{at[:12]}",
-            lambda: self._files.download(path, at, Path(dest), size=size, sha256=sha256),
-        )
-
-    def list_side_files(self, folder: str) -> list[tuple[str, int]]:
-        """``(path, size)`` of the side files in ``folder`` at the head."""
-        return self._call(f"list {folder}", lambda: self._side_files_at(folder, "main"))
-
-    def _side_files_at(self, folder: str, revision: str) -> list[tuple[str, int]]:
-        try:
-            entries = list(
-                self._api.list_repo_tree(self.repo_id, path_in_repo=folder, revision=revision)
-            )
-        except RemoteEntryNotFoundError:
-            return []
-        found = []
-        for entry in entries:
-            if isinstance(entry, RepoFile):
-                with contextlib.suppress(PermanentTransportError):
-                    found.append((check_side_path(entry.path), int(entry.size or 0)))
-        return found
-
-
-class HubTransport(HubMembers, _SideFiles, Transport):
+class HubTransport(Transport):
     """The DiLoCo store in the Hub model repository ``repo_id`` (``<user or org>/<name>``).
 
     Thread-safe: requests share the client's connection pool, publications are serialized.
@@ -255,17 +154,12 @@ class HubTransport(HubMembers, _SideFiles, Transport):
         self.repo_id = repo_id
         self.endpoint = resolve_endpoint(endpoint)
         self.request_timeout = float(request_timeout)
-        self._token = token or None
-        netloc = urlsplit(self.endpoint).netloc
-        self._userinfo = netloc.rpartition("@")[0] if "@" in netloc else None
-        self._api = HfApi(endpoint=self.endpoint, token=self._token, **_LIBRARY)
-        shown = redact_userinfo(self.endpoint)
-        where = "" if self.endpoint == DEFAULT_ENDPOINT else f" on {shown}"
-        self.description = f"hf://{repo_id}{where}"
+        #: The repository every request goes through (client, bounded and redacted calls).
+        self.repo = HubRepo(repo_id, self.endpoint, token, request_timeout)
+        self.description = self.repo.description
         self._publish_lock = threading.Lock()
-        # The side file the next publication commits with it (see write_side_file).
-        self._staged: tuple[str, bytes, Collection[str] | None] | None = None
-        self._files = HubFiles(repo_id, self.endpoint, self._headers)
+        self.side_files = HubSideFiles(self.repo)
+        self.members = HubMembers(self.repo)
 
     @classmethod
     def from_config(cls, config: DistributedConfig | Any) -> HubTransport:
@@ -283,38 +177,6 @@ class HubTransport(HubMembers, _SideFiles, Transport):
     def __repr__(self) -> str:
         return f"HubTransport({self.repo_id!r}, endpoint={redact_userinfo(self.endpoint)!r})"
 
-    # -- plumbing ------------------------------------------------------------------------
-
-    def _call(self, what: str, fn: Callable[[], T]) -> T:
-        """Run ``fn`` with bounded requests; translate client failures (the token and the
-        endpoint's credentials redacted, from the message and from the exception chain)."""
-        try:
-            with hub_call(self.request_timeout):
-                return fn()
-        except Exception as exc:
-            failure = exc
-            error = classify(exc, f"{self.description}: {what}")
-            if error is None:  # a programming error: keep it as it is
-                raise
-        raise_redacted(failure, error, self._redact)
-
-    def _redact(self, text: str) -> str:
-        """``text`` without the token and the endpoint URL's credentials."""
-        text = redact(text, self._secret())
-        if self._userinfo:
-            text = text.replace(self._userinfo, "<redacted>")
-        return text
-
-    def _secret(self) -> str | None:
-        """The token in use, only ever to redact it from messages."""
-        try:
-            return self._token or get_token()
-        except Exception:  # a broken token file must not hide the real error
-            return self._token
-
-    def _headers(self) -> dict[str, str]:
-        return build_hf_headers(token=self._token, **_LIBRARY)
-
     # -- the Transport interface -----------------------------------------------------------
 
     def create_store(self, *, private: bool = True) -> None:
@@ -323,17 +185,17 @@ class HubTransport(HubMembers, _SideFiles, Transport):
 
         def create() -> None:
             try:
-                self._api.create_repo(self.repo_id, private=private, exist_ok=True)
+                self.repo.api.create_repo(self.repo_id, private=private, exist_ok=True)
             except HfUriError:
                 # create_repo was refused (401/402/403), found the repository through repo_info
                 # and then failed to parse the URL of an endpoint that is not huggingface.co (a
                 # mirror, a test server): the repository exists and can be read.
                 log.debug("%s: the repository already exists", self.description)
 
-        self._call("create repository", create)
-        info = self._call(
+        self.repo.call("create repository", create)
+        info = self.repo.call(
             "check repository visibility",
-            lambda: self._api.model_info(self.repo_id, timeout=self.request_timeout),
+            lambda: self.repo.api.model_info(self.repo_id, timeout=self.request_timeout),
         )
         if private and info.private is False:
             log.warning(
@@ -359,27 +221,11 @@ class HubTransport(HubMembers, _SideFiles, Transport):
 
     def _head_metadata(self) -> tuple[str, bytes | None]:
         """``(head commit, step_count.json at that commit or None)``."""
-        return self._head_file(GLOBAL_METADATA)
-
-    def _head_file(self, path: str, limit: int = METADATA_LIMIT) -> tuple[str, bytes | None]:
-        """``(head commit, the file at that commit or None)``, consistent with each other: one
-        GET of the branch head normally (the reply names its commit); if a proxy dropped that
-        header, the head is looked up first and the file read pinned to it."""
-        commit, raw = self._files.get_bytes(path, "main", limit)
-        if commit is not None:
-            return commit, raw
-        head = self._api.model_info(self.repo_id, revision="main", timeout=self.request_timeout)
-        if not head.sha:
-            raise TransientTransportError(f"{self.description}: the Hub named no head commit")
-        return head.sha, self._files.get_bytes(path, head.sha, limit)[1]
-
-    def _lease_at(self, revision: str) -> Lease | None:
-        raw = self._files.get_bytes(LEASE_FILE, revision, LEASE_LIMIT)[1]
-        return None if raw is None else Lease.loads(raw, f"{self.description}: {LEASE_FILE}")
+        return self.repo.head_file(GLOBAL_METADATA)
 
     def read_global_metadata(self) -> GlobalMetadata | None:
         """``global/step_count.json`` of the branch head, pinned to that head's commit."""
-        commit, raw = self._call("read global metadata", self._head_metadata)
+        commit, raw = self.repo.call("read global metadata", self._head_metadata)
         return None if raw is None else GlobalMetadata.loads(raw, revision=commit)
 
     def download_global(self, metadata: GlobalMetadata, dest: Path) -> Path:
@@ -390,7 +236,7 @@ class HubTransport(HubMembers, _SideFiles, Transport):
 
         def fetch() -> Path:
             try:
-                return self._files.download(
+                return self.repo.files.download(
                     metadata.model_file,
                     revision,
                     Path(dest),
@@ -403,14 +249,14 @@ class HubTransport(HubMembers, _SideFiles, Transport):
                     "re-read the metadata"
                 ) from exc
 
-        return self._call(f"download {metadata.model_file}@{revision[:12]}", fetch)
+        return self.repo.call(f"download {metadata.model_file}@{revision[:12]}", fetch)
 
     def publish_global(self, weights: Path, metadata: GlobalMetadata) -> GlobalMetadata:
         """One commit with the weights and their metadata, on the head the current metadata
         was read at (see the module doc). Returns the metadata with the new commit."""
         published = metadata.with_revision(None, model_file=GLOBAL_WEIGHTS)
         with self._publish_lock:
-            return self._call(
+            return self.repo.call(
                 f"publish outer step {published.outer_step}",
                 lambda: self._publish(Path(weights), published),
             )
@@ -422,7 +268,7 @@ class HubTransport(HubMembers, _SideFiles, Transport):
         on the head the current metadata was read at (see the module doc)."""
         published = named_fragments(metadata, {j: fragment_path(j) for j in files})
         with self._publish_lock:
-            return self._call(
+            return self.repo.call(
                 f"publish outer step {published.outer_step}",
                 lambda: self._publish_fragments(files, published),
             )
@@ -460,7 +306,7 @@ class HubTransport(HubMembers, _SideFiles, Transport):
                 return Done(published.with_revision(head))
             if published.lease_epoch is not None:
                 check_fence(
-                    self._lease_at(head),
+                    self.repo.lease_at(head),
                     published.master or "",
                     published.lease_epoch,
                     f"{self.description}: publishing outer step {published.outer_step}",
@@ -469,14 +315,18 @@ class HubTransport(HubMembers, _SideFiles, Transport):
                 refuse_if_not_newer(self.description, current, head, published, raced)
             return Commit(
                 head,
-                [*files, *self._take_staged(head), CommitOperationAdd(GLOBAL_METADATA, payload)],
+                [
+                    *files,
+                    *self.side_files.take_staged(head),
+                    CommitOperationAdd(GLOBAL_METADATA, payload),
+                ],
                 f"DumbDiLoCo: global weights, outer step {published.outer_step}",
                 lambda info: published.with_revision(info.oid),
             )
 
         try:
             return commit_on_head(
-                self._api,
+                self.repo.api,
                 self.repo_id,
                 self.description,
                 f"publishing outer step {published.outer_step}",
@@ -484,7 +334,7 @@ class HubTransport(HubMembers, _SideFiles, Transport):
                 hint=" (many concurrent uploads); try again",
             )
         finally:
-            self._staged = None  # written with this publication, or not at all
+            self.side_files.drop_staged()  # written with this publication, or not at all
 
     def upload_delta(self, node_id: str, local_step: int, source: Path) -> None:
         """One commit adding ``nodes/<node_id>/delta_<local_step>.safetensors`` (a commit is
@@ -494,28 +344,28 @@ class HubTransport(HubMembers, _SideFiles, Transport):
 
         def upload() -> None:
             operation = CommitOperationAdd(path, str(source))
-            self._api.create_commit(
+            self.repo.api.create_commit(
                 self.repo_id,
                 [operation],
                 commit_message=f"DumbDiLoCo: delta of {node_id} at local step {local_step}",
             )
 
-        self._call(f"upload {path}", upload)
+        self.repo.call(f"upload {path}", upload)
 
     def list_deltas(self) -> list[DeltaInfo]:
         """Every delta under ``nodes/`` from one recursive tree listing (no downloads); the
         etag is the LFS sha256 when the file is in LFS, else its git blob id."""
 
-        found = self._call("list deltas", lambda: self._deltas_at("main"))
+        found = self.repo.call("list deltas", lambda: deltas_at(self.repo, "main"))
         return sorted(found, key=lambda info: info.key)
 
     def download_delta(self, info: DeltaInfo, dest: Path) -> Path:
         """Download the delta at the branch head into ``dest``, checked against the listing's
         size and content id (a file replaced since the listing gives IntegrityError)."""
         etag = (info.etag or "").lower()
-        return self._call(
+        return self.repo.call(
             f"download {info.path}",
-            lambda: self._files.download(
+            lambda: self.repo.files.download(
                 info.path,
                 "main",
                 Path(dest),
@@ -529,36 +379,16 @@ class HubTransport(HubMembers, _SideFiles, Transport):
 
     def read_lease(self) -> Lease | None:
         """``global/lease.json`` at the branch head; None when there is none."""
-        _, raw = self._call("read the lease", lambda: self._head_file(LEASE_FILE, LEASE_LIMIT))
+        _, raw = self.repo.call(
+            "read the lease", lambda: self.repo.head_file(LEASE_FILE, LEASE_LIMIT)
+        )
         return None if raw is None else Lease.loads(raw, f"{self.description}: {LEASE_FILE}")
 
     def write_lease(self, lease: Lease, expected: Lease | None) -> Lease:
         """Commit ``lease`` on the head at which the lease was read, if it still is
         ``expected`` (a branch moved by other commits is read again)."""
-        return self._call(f"write {LEASE_FILE}", lambda: self._write_lease(lease, expected))
-
-    def _write_lease(self, lease: Lease, expected: Lease | None) -> Lease:
-        def prepare(raced: bool) -> Commit | Done:
-            head, raw = self._head_file(LEASE_FILE, LEASE_LIMIT)
-            try:
-                current = None if raw is None else Lease.loads(raw, self.description)
-            except PermanentTransportError:  # a malformed lease is no lease
-                current = None
-            if current == lease:  # an earlier attempt landed and only its reply was lost
-                return Done(lease)
-            if current != expected:
-                raise LeaseConflictError(
-                    f"{self.description}: the lease changed (now {current})", current
-                )
-            return Commit(
-                head,
-                [CommitOperationAdd(LEASE_FILE, lease.dumps())],
-                f"DumbDiLoCo: lease of {lease.holder}, epoch {lease.epoch}",
-                lambda info: lease,
-            )
-
-        return commit_on_head(
-            self._api, self.repo_id, self.description, "writing the lease", prepare
+        return self.repo.call(
+            f"write {LEASE_FILE}", lambda: write_lease_on_head(self.repo, lease, expected)
         )
 
     def delete_deltas(self, infos: Sequence[DeltaInfo], *, fence: Lease | None = None) -> int:
@@ -566,52 +396,17 @@ class HubTransport(HubMembers, _SideFiles, Transport):
         listed one, on that head (fenced by the lease read there)."""
         if not infos:
             return 0
-        return self._call(
-            f"delete {len(infos)} processed deltas", lambda: self._delete(list(infos), fence)
+        return self.repo.call(
+            f"delete {len(infos)} processed deltas",
+            lambda: delete_on_head(self.repo, list(infos), fence),
         )
-
-    def _delete(self, infos: list[DeltaInfo], fence: Lease | None) -> int:
-        def prepare(raced: bool) -> Commit | Done:
-            head, raw = self._head_file(LEASE_FILE, LEASE_LIMIT)
-            if fence is not None:
-                current = None if raw is None else Lease.loads(raw, f"{self.description}: lease")
-                check_fence(current, fence.holder, fence.epoch, f"{self.description}: delete")
-            present = {info.path: info.etag for info in self._deltas_at(head)}
-            doomed = [info.path for info in infos if present.get(info.path) == info.etag]
-            if not doomed:
-                return Done(0)
-            return Commit(
-                head,
-                [CommitOperationDelete(path_in_repo=path) for path in doomed],
-                f"DumbDiLoCo: delete {len(doomed)} processed deltas",
-                lambda info: len(doomed),
-            )
-
-        return commit_on_head(self._api, self.repo_id, self.description, "deleting deltas", prepare)
-
-    def _deltas_at(self, revision: str) -> list[DeltaInfo]:
-        try:
-            entries = list(
-                self._api.list_repo_tree(
-                    self.repo_id, path_in_repo="nodes", recursive=True, revision=revision
-                )
-            )
-        except RemoteEntryNotFoundError:
-            return []
-        found = []
-        for entry in entries:
-            parsed = parse_delta_path(entry.path) if isinstance(entry, RepoFile) else None
-            if parsed is not None:
-                etag = entry.lfs.sha256 if entry.lfs is not None else entry.blob_id
-                found.append(DeltaInfo(parsed[0], parsed[1], entry.path, entry.size, etag))
-        return found
 
     def squash_history(self) -> None:
         """Squash the branch into one commit (``HfApi.super_squash_history``): the storage of
         old versions is freed, and every older commit id stops resolving."""
-        self._call(
+        self.repo.call(
             "squash the history",
-            lambda: self._api.super_squash_history(
+            lambda: self.repo.api.super_squash_history(
                 self.repo_id, branch="main", commit_message="DumbDiLoCo: squashed history"
             ),
         )
@@ -620,10 +415,10 @@ class HubTransport(HubMembers, _SideFiles, Transport):
         """Bytes of the files at the branch head (the history the Hub keeps is not counted)."""
 
         def size() -> int:
-            entries = self._api.list_repo_tree(self.repo_id, recursive=True, revision="main")
+            entries = self.repo.api.list_repo_tree(self.repo_id, recursive=True, revision="main")
             return sum(entry.size or 0 for entry in entries if isinstance(entry, RepoFile))
 
-        return self._call("measure the repository", size)
+        return self.repo.call("measure the repository", size)
 
     def close(self) -> None:
         """Nothing to release: connections belong to the client's shared pool."""

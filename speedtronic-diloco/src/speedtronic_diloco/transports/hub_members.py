@@ -5,8 +5,7 @@ already read is not downloaded again)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 from huggingface_hub.errors import RemoteEntryNotFoundError
@@ -15,6 +14,7 @@ from huggingface_hub.hf_api import RepoFile
 from speedtronic_diloco.identity import validate_node_id
 from speedtronic_diloco.transports.base import PermanentTransportError
 from speedtronic_diloco.transports.hub_commits import Commit, Done, commit_on_head
+from speedtronic_diloco.transports.hub_repo import HubRepo
 from speedtronic_diloco.transports.members import (
     LEFT_LIMIT,
     MAX_LEFT_RECORDS,
@@ -32,26 +32,21 @@ _CACHE = 4 * MAX_LEFT_RECORDS
 
 
 class HubMembers(MemberRecords):
-    """Left records for :class:`~speedtronic_diloco.transports.hub.HubTransport` (which
-    provides ``repo_id``, ``description``, ``_api``, ``_files``, ``_head_file`` and
-    ``_call``)."""
+    """Left records of the Hub repository ``repo``."""
 
-    repo_id: str
-    description: str
-    _api: Any
-    _files: Any
-    _call: Callable[..., Any]
-    _head_file: Callable[..., tuple[str, bytes | None]]
+    def __init__(self, repo: HubRepo) -> None:
+        self.repo = repo
+        self._cache: dict[tuple[str, str], LeftRecord | str] = {}
 
     def write_left(self, record: LeftRecord) -> None:
         """One commit adding (or replacing) ``nodes/<node_id>/left.json``."""
         validate_node_id(record.node_id)
         path = left_path(record.node_id)
         operation = CommitOperationAdd(path, record.dumps())
-        self._call(
+        self.repo.call(
             f"write {path}",
-            lambda: self._api.create_commit(
-                self.repo_id,
+            lambda: self.repo.api.create_commit(
+                self.repo.repo_id,
                 [operation],
                 commit_message=f"DumbDiLoCo: {record.node_id} left after step {record.last_step}",
             ),
@@ -64,33 +59,33 @@ class HubMembers(MemberRecords):
         path = left_path(node_id)
 
         def prepare(raced: bool) -> Commit | Done:
-            head, raw = self._head_file(path, LEFT_LIMIT)
+            head, raw = self.repo.head_file(path, LEFT_LIMIT)
             if raw is None:
                 return Done(None)
             delete = [CommitOperationDelete(path_in_repo=path)]
             return Commit(head, delete, f"DumbDiLoCo: {node_id} is back", lambda info: None)
 
-        self._call(
+        self.repo.call(
             f"delete {path}",
             lambda: commit_on_head(
-                self._api, self.repo_id, self.description, f"deleting {path}", prepare
+                self.repo.api, self.repo.repo_id, self.repo.description, f"deleting {path}", prepare
             ),
         )
 
     def read_left(self) -> LeftListing:
         """The records of the branch head (see the module docstring)."""
-        return self._call("read left records", self._read_left)
+        return self.repo.call("read left records", self._read_left)
 
     def _read_left(self) -> LeftListing:
         try:
             entries = list(
-                self._api.list_repo_tree(
-                    self.repo_id, path_in_repo="nodes", recursive=True, revision="main"
+                self.repo.api.list_repo_tree(
+                    self.repo.repo_id, path_in_repo="nodes", recursive=True, revision="main"
                 )
             )
         except RemoteEntryNotFoundError:
             return LeftListing()
-        cache: dict[tuple[str, str], LeftRecord | str] = self.__dict__.setdefault("_left_cache", {})
+        cache = self._cache
         records: dict[str, LeftRecord] = {}
         refused: list[str] = []
         for entry in entries:
@@ -115,11 +110,11 @@ class HubMembers(MemberRecords):
     def _fetch_left(self, path: str, node: str, size: int | None) -> LeftRecord | str | None:
         """The record at ``path``, the message saying why it is refused, or None when it is
         gone."""
-        where = f"{self.description}: {path}"
+        where = f"{self.repo.description}: {path}"
         if size is not None and size > LEFT_LIMIT:
             return f"{where}: larger than {LEFT_LIMIT} bytes; not ours"
         try:
-            _, raw = self._files.get_bytes(path, "main", LEFT_LIMIT)
+            _, raw = self.repo.files.get_bytes(path, "main", LEFT_LIMIT)
             return None if raw is None else LeftRecord.loads(raw, where, node)
         except PermanentTransportError as exc:
             return str(exc)

@@ -10,8 +10,9 @@ other remote file: at most :data:`LEFT_LIMIT` bytes, a JSON object whose fields 
 right types, whose node id is the one of the folder it is in; anything else is refused with
 the file named, and never stops a reader. A listing returns at most :data:`MAX_LEFT_RECORDS`.
 
-Stores offer the records through :class:`MemberRecords`, an optional capability (a store
-without it has no records: silence alone then says a node is gone).
+Stores offer the records through a :class:`MemberRecords`, an optional capability a transport
+holds as its ``members`` (a store without it has no records: silence alone then says a node is
+gone).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ __all__ = [
     "LeftRecord",
     "MemberRecords",
     "left_path",
+    "member_records_of",
     "parse_left_path",
 ]
 
@@ -118,8 +120,9 @@ class LeftListing:
 
 
 class MemberRecords:
-    """The left records of a store (mixed into the transports that keep them). Safe to call
-    from several threads, like the rest of a transport."""
+    """The left records of a store: a transport that keeps them holds one as its ``members``
+    (:func:`member_records_of`). Safe to call from several threads, like the rest of a
+    transport."""
 
     def write_left(self, record: LeftRecord) -> None:
         """Store ``record`` as ``nodes/<node_id>/left.json`` (atomically: a reader sees the
@@ -134,3 +137,9 @@ class MemberRecords:
         """Every well-formed left record (at most :data:`MAX_LEFT_RECORDS`); a malformed or
         hostile one is left out, its problem (naming the file) in ``refused``."""
         raise UnsupportedOperation("this store keeps no left records")
+
+
+def member_records_of(transport: object) -> MemberRecords | None:
+    """The left records ``transport`` keeps (its ``members``), or None when it keeps none."""
+    members = getattr(transport, "members", None)
+    return members if isinstance(members, MemberRecords) else None

@@ -37,17 +37,14 @@ metadata or the listing promised (``step_count.json`` and ``lease.json`` at a fi
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import re
 import shutil
 import stat
 import threading
-import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import BinaryIO, TypeVar
 
 from speedtronic.checkpoint.fileio import atomic_write_bytes, fsync_dir
 from speedtronic_diloco.identity import validate_node_id
@@ -55,7 +52,6 @@ from speedtronic_diloco.transports.base import (
     GLOBAL_METADATA,
     GLOBAL_WEIGHTS,
     LEASE_FILE,
-    LEASE_LIMIT,
     METADATA_LIMIT,
     DeltaInfo,
     FragmentFile,
@@ -72,13 +68,16 @@ from speedtronic_diloco.transports.base import (
     redact_userinfo,
     write_verified,
 )
+from speedtronic_diloco.transports.shared_dir_files import (
+    LOCK_FILE,
+    LOCK_WAIT,
+    StoreDirectory,
+    classify,
+    file_kind,
+    local_chunks,
+)
 from speedtronic_diloco.transports.shared_dir_members import SharedDirMembers
-from speedtronic_diloco.transports.side_files import check_side_path
-
-try:
-    import fcntl
-except ImportError:  # not POSIX: only threads of this process are excluded
-    fcntl = None  # type: ignore[assignment]
+from speedtronic_diloco.transports.shared_dir_side_files import SharedDirSideFiles
 
 __all__ = [
     "KEEP_VERSIONS",
@@ -94,15 +93,6 @@ log = logging.getLogger("speedtronic.diloco.shared_dir")
 _VERSION = re.compile(r"^v(\d+)-[0-9a-f]{12}\.safetensors$")
 _FRAGMENT_VERSION = re.compile(r"^fragment(\d+)-v(\d+)-[0-9a-f]{12}\.safetensors$")
 KEEP_VERSIONS = 3
-LOCK_FILE = "global/.lock"
-LOCK_WAIT = 10.0
-"""Seconds a writer waits for the store lock before a transient error (it is held for
-milliseconds per write)."""
-_CHUNK = 1 << 20
-T = TypeVar("T")
-
-_PROCESS_LOCKS: dict[str, threading.Lock] = {}
-_PROCESS_LOCKS_GUARD = threading.Lock()
 
 
 def shared_dir_root(repo_id: str) -> Path | None:
@@ -124,93 +114,7 @@ def shared_dir_root(repo_id: str) -> Path | None:
     return path if path.is_absolute() else None
 
 
-def _classify(what: str, call: Callable[[], T]) -> T:
-    """Run ``call``, turning OS errors into transport errors that say what failed."""
-    try:
-        return call()
-    except PermissionError as exc:
-        raise PermanentTransportError(f"{what}: permission denied ({exc})") from exc
-    except OSError as exc:
-        raise TransientTransportError(f"{what}: {exc}") from exc
-
-
-def _kind(mode: int) -> str | None:
-    """What a non-regular file is, in words; None for a regular file."""
-    if stat.S_ISREG(mode):
-        return None
-    for test, name in (
-        (stat.S_ISFIFO, "a FIFO (named pipe)"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISLNK, "a symlink"),
-    ):
-        if test(mode):
-            return name
-    return "not a regular file"
-
-
-class _SideFiles:
-    """:class:`~speedtronic_diloco.transports.side_files.SideFiles` of a shared directory."""
-
-    def write_side_file(
-        self,
-        path: str,
-        source: Path,
-        *,
-        fence: Lease | None = None,
-        keep: Collection[str] | None = None,
-        with_publication: bool = False,
-    ) -> None:
-        """Write ``source`` to ``path`` atomically (fenced under the lock), now even
-        ``with_publication``; see :class:`~speedtronic_diloco.transports.side_files.SideFiles`."""
-        target = self.root / check_side_path(path)
-
-        def write() -> None:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with self._exclusive():
-                if fence is not None:
-                    check_fence(self._lease_now(), fence.holder, fence.epoch, f"{target}: write")
-                write_verified(_local_chunks(Path(source)), target, where=str(source))
-                for name in os.listdir(target.parent) if keep is not None else ():
-                    rel = f"{path.rsplit('/', 1)[0]}/{name}"
-                    if rel != path and rel not in keep and not name.startswith("."):
-                        with contextlib.suppress(FileNotFoundError):
-                            (target.parent / name).unlink()
-
-        _classify(f"write {target}", write)
-
-    def read_side_file(
-        self,
-        path: str,
-        dest: Path,
-        *,
-        size: int,
-        sha256: str | None = None,
-        revision: str | None = None,
-    ) -> Path:
-        """Copy the side file ``path`` to ``dest`` (bounded, checked); FileNotFoundError
-        becomes a TransientTransportError."""
-        source = self.root / check_side_path(path)
-        return _classify(
-            f"read {source}", lambda: self._copy_verified(source, Path(dest), size, sha256)
-        )
-
-    def list_side_files(self, folder: str) -> list[tuple[str, int]]:
-        """``(path, size)`` of the regular files in ``folder`` whose names are side files."""
-        found = []
-        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-            for name in sorted(os.listdir(self.root / folder)):
-                rel = f"{folder}/{name}"
-                with contextlib.suppress(OSError, PermanentTransportError):
-                    info = os.lstat(self.root / check_side_path(rel))
-                    if stat.S_ISREG(info.st_mode):
-                        found.append((rel, info.st_size))
-        return found
-
-
-class SharedDirectoryTransport(SharedDirMembers, _SideFiles, Transport):
+class SharedDirectoryTransport(Transport):
     """The layout of :mod:`speedtronic_diloco.transports.base` under ``root``."""
 
     supports_fragment_files = True
@@ -219,105 +123,15 @@ class SharedDirectoryTransport(SharedDirMembers, _SideFiles, Transport):
         self.root = Path(root)
         self.lock_wait = float(lock_wait)
         self.description = redact_userinfo(f"file://{self.root}")
-        self._refused: set[tuple[str, str]] = set()
-
-    # ------------------------------------------------------------------ plumbing
-    def _real_root(self) -> str:
-        return os.path.realpath(self.root)
-
-    def _inside(self, real: str) -> bool:
-        root = self._real_root()
-        return real == root or real.startswith(root.rstrip(os.sep) + os.sep)
-
-    def _refuse(self, path: Path, why: str) -> PermanentTransportError:
-        """The error for a refused store file; logged once per file and reason."""
-        message = f"{path}: {why}; refused"
-        if (str(path), why) not in self._refused:
-            if len(self._refused) > 10_000:
-                self._refused.clear()
-            self._refused.add((str(path), why))
-            log.warning("%s (a hostile or broken file in the store)", message)
-        return PermanentTransportError(message)
-
-    def _check_link(self, path: Path) -> None:
-        """Refuse ``path`` when it resolves outside the store."""
-        real = os.path.realpath(path)
-        if not self._inside(real):
-            raise self._refuse(path, f"a symlink pointing outside the store (to {real})")
-
-    @contextlib.contextmanager
-    def _open_regular(self, path: Path) -> Iterator[tuple[BinaryIO, int]]:
-        """``(reader, size)`` of the regular file ``path`` inside the store; refuses special
-        files and symlinks out of the store without blocking on them (FileNotFoundError when
-        it does not exist)."""
-        self._check_link(path)
-        real = os.path.realpath(path)
-        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0)
-        try:
-            fd = os.open(real, flags | getattr(os, "O_CLOEXEC", 0))
-        except OSError as exc:
-            if isinstance(exc, (FileNotFoundError, PermissionError)):
-                raise
-            with contextlib.suppress(OSError):  # ENXIO (socket), ELOOP (swapped for a link)...
-                kind = _kind(os.lstat(real).st_mode)
-                if kind is not None:
-                    raise self._refuse(path, f"{kind}, not a regular file") from None
-            raise
-        try:
-            info = os.fstat(fd)
-            kind = _kind(info.st_mode)
-            if kind is not None:
-                raise self._refuse(path, f"{kind}, not a regular file")
-            os.set_blocking(fd, True)
-            reader = os.fdopen(fd, "rb")
-        except BaseException:
-            os.close(fd)
-            raise
-        with reader:
-            yield reader, info.st_size
-
-    def _chunks(self, path: Path, limit: int | None) -> Iterator[bytes]:
-        """The bytes of ``path``, at most ``limit + 1`` of them (one more than promised, so
-        that a too-long file is detected without reading it all)."""
-        with self._open_regular(path) as (reader, size):
-            left = (size if limit is None else limit) + 1
-            while left > 0 and (chunk := reader.read(min(_CHUNK, left))):
-                left -= len(chunk)
-                yield chunk
-
-    def _read_small(self, path: Path, limit: int) -> bytes | None:
-        """A small file's bytes (None when missing); PermanentTransportError past ``limit``."""
-        try:
-            data = b"".join(self._chunks(path, limit))
-        except FileNotFoundError:
-            return None
-        if len(data) > limit:
-            raise PermanentTransportError(f"{path} is larger than {limit} bytes; not ours")
-        return data
-
-    def _copy_verified(
-        self, source: Path, dest: Path, size: int | None, sha256: str | None
-    ) -> Path:
-        """Copy the store file ``source`` to ``dest`` atomically, reading at most ``size``
-        bytes (+1) and checking size/sha256 of the bytes copied."""
-        try:
-            return write_verified(
-                self._chunks(source, size), dest, where=str(source), size=size, sha256=sha256
-            )
-        except FileNotFoundError as exc:
-            raise TransientTransportError(
-                f"{source} is gone (replaced by a newer version?)"
-            ) from exc
-
-    def _exclusive(self) -> contextlib.AbstractContextManager[None]:
-        """The store's writer lock (see :func:`_store_lock`)."""
-        return _store_lock(self.root / LOCK_FILE, self._real_root(), self.lock_wait)
+        self.files = StoreDirectory(self.root, self.lock_wait)
+        self.side_files = SharedDirSideFiles(self.files)
+        self.members = SharedDirMembers(self.files)
 
     # ------------------------------------------------------------------ interface
     def create_store(self, *, private: bool = True) -> None:
         """Create ``root``, ``global/`` and ``nodes/`` (visibility is the filesystem's)."""
         for sub in ("global", "nodes"):
-            _classify(
+            classify(
                 f"create {self.root / sub}",
                 lambda sub=sub: (self.root / sub).mkdir(parents=True, exist_ok=True),
             )
@@ -325,33 +139,33 @@ class SharedDirectoryTransport(SharedDirMembers, _SideFiles, Transport):
     def read_global_metadata(self) -> GlobalMetadata | None:
         """Parse ``global/step_count.json``; None when the store or the file does not exist."""
         path = self.root / GLOBAL_METADATA
-        raw = _classify(f"read {path}", lambda: self._read_small(path, METADATA_LIMIT))
+        raw = classify(f"read {path}", lambda: self.files.read_small(path, METADATA_LIMIT))
         return None if raw is None else GlobalMetadata.loads(raw)
 
     def download_global(self, metadata: GlobalMetadata, dest: Path) -> Path:
         """Copy the version file the metadata names to ``dest``, verifying it."""
         source = self.root / metadata.model_file
-        return _classify(
+        return classify(
             f"download {source}",
-            lambda: self._copy_verified(source, Path(dest), metadata.size, metadata.sha256),
+            lambda: self.files.copy_verified(source, Path(dest), metadata.size, metadata.sha256),
         )
 
     def publish_global(self, weights: Path, metadata: GlobalMetadata) -> GlobalMetadata:
         """Version file, then (locked, fenced) ``latest.safetensors`` and the metadata."""
-        return _classify(f"publish to {self.root}", lambda: self._publish(weights, metadata))
+        return classify(f"publish to {self.root}", lambda: self._publish(weights, metadata))
 
     def _publish(self, weights: Path, metadata: GlobalMetadata) -> GlobalMetadata:
         version = f"global/v{metadata.outer_step:08d}-{metadata.sha256[:12]}.safetensors"
         self._fence_publication(metadata)  # a fenced master writes no file at all (unlocked)
         write_verified(
-            _local_chunks(Path(weights)),
+            local_chunks(Path(weights)),
             self.root / version,
             where=str(weights),
             size=metadata.size,
             sha256=metadata.sha256,
         )
         published = metadata.with_revision(None, model_file=version)
-        with self._exclusive():
+        with self.files.exclusive():
             self._fence_publication(metadata)
             self._replace_latest(self.root / version)
             atomic_write_bytes(self.root / GLOBAL_METADATA, published.dumps())
@@ -362,9 +176,7 @@ class SharedDirectoryTransport(SharedDirMembers, _SideFiles, Transport):
         self, files: Mapping[int, Path], metadata: GlobalMetadata
     ) -> GlobalMetadata:
         """Fragment files under immutable names, then (locked, fenced) the metadata."""
-        return _classify(
-            f"publish to {self.root}", lambda: self._publish_fragments(files, metadata)
-        )
+        return classify(f"publish to {self.root}", lambda: self._publish_fragments(files, metadata))
 
     def _publish_fragments(
         self, files: Mapping[int, Path], metadata: GlobalMetadata
@@ -375,7 +187,7 @@ class SharedDirectoryTransport(SharedDirMembers, _SideFiles, Transport):
             entry = metadata.fragment_files[index]
             name = fragment_file_name(index, entry)
             write_verified(
-                _local_chunks(Path(source)),
+                local_chunks(Path(source)),
                 self.root / name,
                 where=str(source),
                 size=entry.size,
@@ -383,7 +195,7 @@ class SharedDirectoryTransport(SharedDirMembers, _SideFiles, Transport):
             )
             names[index] = name
         published = named_fragments(metadata, names)
-        with self._exclusive():
+        with self.files.exclusive():
             self._fence_publication(metadata)
             for entry in published.fragment_files:
                 if not (self.root / entry.file).is_file():
@@ -438,9 +250,9 @@ class SharedDirectoryTransport(SharedDirMembers, _SideFiles, Transport):
         """Copy ``source`` into ``nodes/<node_id>/`` under a temp name, then rename."""
         validate_node_id(node_id)
         dest = self.root / delta_path(node_id, local_step)
-        _classify(
+        classify(
             f"upload {dest}",
-            lambda: write_verified(_local_chunks(Path(source)), dest, where=str(source)),
+            lambda: write_verified(local_chunks(Path(source)), dest, where=str(source)),
         )
 
     def list_deltas(self) -> list[DeltaInfo]:
@@ -459,7 +271,7 @@ class SharedDirectoryTransport(SharedDirMembers, _SideFiles, Transport):
             directory = nodes / node
             try:
                 if os.path.islink(directory):
-                    self._check_link(directory)
+                    self.files.check_link(directory)
                 names = os.listdir(directory)
             except (NotADirectoryError, FileNotFoundError, PermanentTransportError):
                 continue
@@ -478,13 +290,13 @@ class SharedDirectoryTransport(SharedDirMembers, _SideFiles, Transport):
         try:
             info = os.lstat(path)
             if stat.S_ISLNK(info.st_mode):
-                self._check_link(path)
+                self.files.check_link(path)
                 info = os.stat(path)
         except (FileNotFoundError, PermanentTransportError):
             return None
-        kind = _kind(info.st_mode)
+        kind = file_kind(info.st_mode)
         if kind is not None:
-            self._refuse(path, f"{kind}, not a regular file")
+            self.files.refuse(path, f"{kind}, not a regular file")
             return None
         etag = f"{info.st_size}-{info.st_mtime_ns}-{info.st_ctime_ns}-{info.st_ino}"
         return DeltaInfo(parsed[0], parsed[1], rel, info.st_size, etag, info.st_mtime)
@@ -492,9 +304,9 @@ class SharedDirectoryTransport(SharedDirMembers, _SideFiles, Transport):
     def download_delta(self, info: DeltaInfo, dest: Path) -> Path:
         """Copy the delta file to ``dest`` atomically, reading at most the listed size."""
         source = self.root / info.path
-        return _classify(
+        return classify(
             f"download {source}",
-            lambda: self._copy_verified(source, Path(dest), info.size, None),
+            lambda: self.files.copy_verified(source, Path(dest), info.size, None),
         )
 
     # ------------------------------------------------------------------ lease, storage
@@ -503,29 +315,24 @@ class SharedDirectoryTransport(SharedDirMembers, _SideFiles, Transport):
         store's (another master took over)."""
         if metadata.lease_epoch is not None:
             check_fence(
-                self._lease_now(),
+                self.files.lease_now(),
                 metadata.master or "",
                 metadata.lease_epoch,
                 f"{self.description}: publishing outer step {metadata.outer_step}",
             )
 
-    def _lease_now(self) -> Lease | None:
-        path = self.root / LEASE_FILE
-        raw = self._read_small(path, LEASE_LIMIT)
-        return None if raw is None else Lease.loads(raw, str(path))
-
     def read_lease(self) -> Lease | None:
         """Parse ``global/lease.json``; None when there is none."""
-        return _classify(f"read {self.root / LEASE_FILE}", self._lease_now)
+        return classify(f"read {self.root / LEASE_FILE}", self.files.lease_now)
 
     def write_lease(self, lease: Lease, expected: Lease | None) -> Lease:
         """Replace ``global/lease.json`` under the lock if it still is ``expected`` (None: no
         lease, or a malformed one)."""
 
         def write() -> Lease:
-            with self._exclusive():
+            with self.files.exclusive():
                 try:
-                    current = self._lease_now()
+                    current = self.files.lease_now()
                 except PermanentTransportError:  # a malformed lease is no lease
                     current = None
                 if current != expected:
@@ -536,17 +343,20 @@ class SharedDirectoryTransport(SharedDirMembers, _SideFiles, Transport):
             return lease
 
         (self.root / "global").mkdir(parents=True, exist_ok=True)
-        return _classify(f"write {self.root / LEASE_FILE}", write)
+        return classify(f"write {self.root / LEASE_FILE}", write)
 
     def delete_deltas(self, infos: Sequence[DeltaInfo], *, fence: Lease | None = None) -> int:
         """Unlink each listed delta whose etag is unchanged (under the lock, fenced)."""
 
         def delete() -> int:
             count = 0
-            with self._exclusive():
+            with self.files.exclusive():
                 if fence is not None:
                     check_fence(
-                        self._lease_now(), fence.holder, fence.epoch, f"{self.description}: delete"
+                        self.files.lease_now(),
+                        fence.holder,
+                        fence.epoch,
+                        f"{self.description}: delete",
                     )
                 for info in infos:
                     parsed = parse_delta_path(info.path)
@@ -560,7 +370,7 @@ class SharedDirectoryTransport(SharedDirMembers, _SideFiles, Transport):
                         count += 1
             return count
 
-        return _classify(f"delete deltas from {self.root}", delete)
+        return classify(f"delete deltas from {self.root}", delete)
 
     def store_bytes(self) -> int | None:
         """Bytes of the regular files under ``root`` (symlinks are not followed)."""
@@ -580,54 +390,3 @@ class SharedDirectoryTransport(SharedDirMembers, _SideFiles, Transport):
 def fragment_file_name(index: int, entry: FragmentFile) -> str:
     """The immutable store path of fragment ``index``'s file described by ``entry``."""
     return f"global/fragment{index}-v{entry.outer_step:08d}-{entry.sha256[:12]}.safetensors"
-
-
-def _local_chunks(source: Path) -> Iterator[bytes]:
-    """A local file of our own (the master's weights, a node's outbox delta)."""
-    with open(source, "rb") as reader:
-        while chunk := reader.read(_CHUNK):
-            yield chunk
-
-
-@contextlib.contextmanager
-def _store_lock(path: Path, real_root: str, lock_wait: float) -> Iterator[None]:
-    """A store's writer lock: this process's threads, then other processes (lockf on
-    ``path``), waited for at most ``lock_wait`` seconds in all; past that a retryable error
-    naming the lock file."""
-
-    def timeout(holder: str) -> TransientTransportError:
-        return TransientTransportError(
-            f"{path}: held by {holder} for more than {lock_wait:g} s (a writer frozen or "
-            "stuck while writing?); retrying"
-        )
-
-    with _PROCESS_LOCKS_GUARD:
-        thread_lock = _PROCESS_LOCKS.setdefault(real_root, threading.Lock())
-    deadline = time.monotonic() + lock_wait
-    if not thread_lock.acquire(timeout=lock_wait):
-        raise timeout("another thread of this process")
-    try:
-        if fcntl is None:
-            yield
-            return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a+b") as handle:
-            pause = 0.005
-            while True:
-                try:
-                    fcntl.lockf(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except OSError as exc:  # EACCES or EAGAIN: another process holds it
-                    if exc.errno not in (errno.EACCES, errno.EAGAIN):
-                        raise
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise timeout("another process")
-                time.sleep(min(pause, left))
-                pause = min(pause * 2, 0.05)
-            try:
-                yield
-            finally:
-                fcntl.lockf(handle.fileno(), fcntl.LOCK_UN)
-    finally:
-        thread_lock.release()

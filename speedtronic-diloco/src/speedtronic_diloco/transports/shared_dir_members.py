@@ -6,7 +6,6 @@ store's hostile-file checks (no FIFOs, devices or symlinks out of the store; at 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from speedtronic.checkpoint.fileio import atomic_write_bytes
 from speedtronic_diloco.identity import is_valid_node_id, validate_node_id
@@ -19,15 +18,17 @@ from speedtronic_diloco.transports.members import (
     MemberRecords,
     left_path,
 )
+from speedtronic_diloco.transports.shared_dir_files import StoreDirectory
 
 __all__ = ["SharedDirMembers"]
 
 
 class SharedDirMembers(MemberRecords):
-    """Left records for :class:`~speedtronic_diloco.transports.shared_dir.SharedDirectoryTransport`
-    (which provides ``root``, ``_read_small`` and ``_check_link``)."""
+    """Left records of the shared-directory store ``store``."""
 
-    root: Path
+    def __init__(self, store: StoreDirectory) -> None:
+        self.store = store
+        self.root = store.root
 
     def write_left(self, record: LeftRecord) -> None:
         """Write ``nodes/<node_id>/left.json`` atomically."""
@@ -68,7 +69,7 @@ class SharedDirMembers(MemberRecords):
                 continue
             path = self.root / left_path(node)
             try:
-                raw = self._read_small(path, LEFT_LIMIT)  # type: ignore[attr-defined]
+                raw = self.store.read_small(path, LEFT_LIMIT)
                 if raw is not None:
                     records[node] = LeftRecord.loads(raw, str(path), node)
             except PermanentTransportError as exc:

@@ -10,8 +10,9 @@ records (fail-over, ``distributed.failover``).
 * ``standbys/<node_id>.json``: a standby master's announcement (``speedtronic diloco status``
   lists the standbys seen).
 
-A store offers them through :class:`SideFiles` (the shared directory and the Hub do); a store
-without them runs as before, its outer state on the master's disk only.
+A transport offers them through a :class:`SideFiles` it holds as its ``side_files`` (the shared
+directory and the Hub do); a store without them runs as before, its outer state on the master's
+disk only.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ __all__ = [
     "SideFiles",
     "check_side_path",
     "outer_state_path",
+    "side_files_of",
     "standby_path",
 ]
 
@@ -95,3 +97,9 @@ class SideFiles(Protocol):
 
     def list_side_files(self, folder: str) -> list[tuple[str, int]]:
         """``(path, size)`` of the side files in ``folder`` (empty when it has none)."""
+
+
+def side_files_of(transport: object) -> SideFiles | None:
+    """The side files ``transport`` keeps (its ``side_files``), or None when it keeps none."""
+    files = getattr(transport, "side_files", None)
+    return files if isinstance(files, SideFiles) else None
