@@ -12,18 +12,20 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from speedtronic.checkpoint.manager import (
-        BEST_POINTER,
-        FORMAT_VERSION,
-        MANIFEST,
-        POINTER,
-        STATE,
-        TENSORS,
         CheckpointManager,
         LoadedCheckpoint,
         checkpoint_name,
         step_of,
     )
     from speedtronic.checkpoint.policy import SavedCheckpoint, SavePolicy
+    from speedtronic.checkpoint.reader import (
+        BEST_POINTER,
+        FORMAT_VERSION,
+        MANIFEST,
+        POINTER,
+        STATE,
+        TENSORS,
+    )
     from speedtronic.checkpoint.rng import rng_state, set_rng_state
 
 __all__ = [
@@ -44,6 +46,8 @@ __all__ = [
 ]
 
 _MODULE_OF = {name: "manager" for name in __all__} | {
+    **dict.fromkeys(("BEST_POINTER", "FORMAT_VERSION", "MANIFEST", "POINTER", "STATE"), "reader"),
+    "TENSORS": "reader",
     "rng_state": "rng",
     "set_rng_state": "rng",
     "SavePolicy": "policy",

@@ -35,16 +35,7 @@ from typing import Any
 from speedtronic.checkpoint.fileio import free_space
 from speedtronic.checkpoint.names import checkpoint_name, overwrite_refusal, step_of
 from speedtronic.checkpoint.policy import BackgroundWrite, SavedCheckpoint, SavePolicy
-from speedtronic.checkpoint.reader import (
-    BEST_POINTER,
-    FORMAT_VERSION,
-    HASH_CHUNK_BYTES,
-    MANIFEST,
-    POINTER,
-    STATE,
-    TENSORS,
-    LoadedCheckpoint,
-)
+from speedtronic.checkpoint.reader import POINTER, LoadedCheckpoint
 from speedtronic.checkpoint.runlock import RunLock
 from speedtronic.checkpoint.storage import CheckpointStorage
 from speedtronic.checkpoint.writer import CheckpointWriter
@@ -52,13 +43,6 @@ from speedtronic.errors import CheckpointError
 from speedtronic.parallel.context import SINGLE_PROCESS, ParallelContext
 
 __all__ = [
-    "BEST_POINTER",
-    "FORMAT_VERSION",
-    "HASH_CHUNK_BYTES",
-    "MANIFEST",
-    "POINTER",
-    "STATE",
-    "TENSORS",
     "CheckpointManager",
     "LoadedCheckpoint",
     "checkpoint_name",

@@ -39,11 +39,7 @@ from speedtronic_diloco.master.round_policy import RoundDecision, RoundPolicy
 from speedtronic_diloco.membership import Membership
 from speedtronic_diloco.retry import RetryPolicy
 from speedtronic_diloco.tensors import TensorDict
-from speedtronic_diloco.transports.base import (
-    DeltaInfo,
-    GlobalMetadata,
-    Transport,
-)
+from speedtronic_diloco.transports.base import DeltaInfo, GlobalMetadata, Transport
 
 __all__ = ["MasterOuterLoop", "OuterLoopStopped"]
 
