@@ -46,8 +46,9 @@ __all__ = [
 ]
 
 _MODULE_OF = {name: "manager" for name in __all__} | {
-    **dict.fromkeys(("BEST_POINTER", "FORMAT_VERSION", "MANIFEST", "POINTER", "STATE"), "reader"),
-    "TENSORS": "reader",
+    **dict.fromkeys(
+        ("BEST_POINTER", "FORMAT_VERSION", "MANIFEST", "POINTER", "STATE", "TENSORS"), "reader"
+    ),
     "rng_state": "rng",
     "set_rng_state": "rng",
     "SavePolicy": "policy",

@@ -16,26 +16,32 @@ from speedtronic.checkpoint.policy import SavePolicy
 if TYPE_CHECKING:  # not at runtime: importing speedtronic.parallel imports this module
     from speedtronic.parallel.context import ParallelContext
 
-__all__ = ["CheckpointWriter", "SaveTarget"]
+__all__ = ["CheckpointWriter", "LayoutSteps", "SaveTarget"]
 
 
-class SaveTarget(Protocol):
-    """What a writer needs of the :class:`~speedtronic.checkpoint.CheckpointManager` it writes
-    for: its directory, ranks and retry policy, its whole-state format, and the two steps of
-    the shared layout every writer ends with (a staged checkpoint renamed into place, then the
-    retention rule)."""
-
-    directory: Path
-    parallel: ParallelContext
-    policy: SavePolicy
-
-    def write_whole(self, step: int, state: Any) -> Path: ...
-
-    def snapshot_whole(self, step: int, state: Any) -> Callable[[], Path] | None: ...
+class LayoutSteps(Protocol):
+    """The two steps of the shared layout every writer ends with
+    (:class:`~speedtronic.checkpoint.storage.CheckpointStorage` has them)."""
 
     def move_into_place(self, staging: Path, final: Path) -> None: ...
 
     def apply_retention(self, step: int) -> None: ...
+
+
+class SaveTarget(Protocol):
+    """What a writer needs of the :class:`~speedtronic.checkpoint.CheckpointManager` it writes
+    for: its directory, ranks and retry policy, its whole-state format, and its ``storage``,
+    whose two steps of the shared layout every writer ends with (``move_into_place``: a staged
+    checkpoint renamed into place, then ``apply_retention``)."""
+
+    directory: Path
+    parallel: ParallelContext
+    policy: SavePolicy
+    storage: LayoutSteps
+
+    def write_whole(self, step: int, state: Any) -> Path: ...
+
+    def snapshot_whole(self, step: int, state: Any) -> Callable[[], Path] | None: ...
 
 
 class CheckpointWriter:

@@ -1,4 +1,5 @@
-"""The master's outer loop: the thread, a tick, the final round and halting. It calls the
+"""The master's outer loop: a tick, the final round and halting (its thread is an
+:class:`~speedtronic_diloco.master.outer_thread.OuterThread`, its state its keeper's). It calls the
 rooms in the order a delta travels: :mod:`~speedtronic_diloco.master.intake` (list, fetch,
 check), :mod:`~speedtronic_diloco.master.round` (the pure outer step), the state file
 (:mod:`~speedtronic_diloco.master.state`, with :mod:`~speedtronic_diloco.master.history`),

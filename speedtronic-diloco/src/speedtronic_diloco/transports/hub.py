@@ -153,13 +153,17 @@ class HubTransport(Transport):
             raise PermanentTransportError("distributed.request_timeout must be > 0")
         self.repo_id = repo_id
         self.endpoint = resolve_endpoint(endpoint)
-        self.request_timeout = float(request_timeout)
         #: The repository every request goes through (client, bounded and redacted calls).
         self.repo = HubRepo(repo_id, self.endpoint, token, request_timeout)
         self.description = self.repo.description
         self._publish_lock = threading.Lock()
         self.side_files = HubSideFiles(self.repo)
         self.members = HubMembers(self.repo)
+
+    @property
+    def request_timeout(self) -> float:
+        """Seconds each request may take (the repository's)."""
+        return self.repo.request_timeout
 
     @classmethod
     def from_config(cls, config: DistributedConfig | Any) -> HubTransport:
@@ -195,7 +199,7 @@ class HubTransport(Transport):
         self.repo.call("create repository", create)
         info = self.repo.call(
             "check repository visibility",
-            lambda: self.repo.api.model_info(self.repo_id, timeout=self.request_timeout),
+            lambda: self.repo.api.model_info(self.repo_id, timeout=self.repo.request_timeout),
         )
         if private and info.private is False:
             log.warning(

@@ -121,11 +121,15 @@ class SharedDirectoryTransport(Transport):
 
     def __init__(self, root: str | os.PathLike[str], *, lock_wait: float = LOCK_WAIT) -> None:
         self.root = Path(root)
-        self.lock_wait = float(lock_wait)
         self.description = redact_userinfo(f"file://{self.root}")
-        self.files = StoreDirectory(self.root, self.lock_wait)
+        self.files = StoreDirectory(self.root, lock_wait)
         self.side_files = SharedDirSideFiles(self.files)
         self.members = SharedDirMembers(self.files)
+
+    @property
+    def lock_wait(self) -> float:
+        """Seconds a writer waits for the store lock (the store directory's)."""
+        return self.files.lock_wait
 
     # ------------------------------------------------------------------ interface
     def create_store(self, *, private: bool = True) -> None:
