@@ -24,6 +24,8 @@ import speedtronic.trainer as trainer_module
 from speedtronic import SpeedtronicConfig, cli
 from speedtronic.checkpoint import CheckpointManager, checkpoint_name
 from speedtronic.checkpoint import storage as storage_module
+from speedtronic.checkpoint.fileio import manifest_entry
+from speedtronic.checkpoint.names import HASH_CHUNK_BYTES
 from speedtronic.errors import CheckpointError, ConfigError
 from speedtronic.runtime import build_runtime
 
@@ -154,7 +156,7 @@ def rewrite_consistently(checkpoint: Path, edit: Any) -> None:
     edit(state)
     state_file.write_text(json.dumps(state))
     manifest = json.loads((checkpoint / "manifest.json").read_text())
-    manifest["files"]["state.json"] = storage_module._describe(state_file)
+    manifest["files"]["state.json"] = manifest_entry(state_file, HASH_CHUNK_BYTES)
     (checkpoint / "manifest.json").write_text(json.dumps(manifest))
 
 

@@ -28,7 +28,8 @@ from torch import nn
 from speedtronic import cli
 from speedtronic.checkpoint import CheckpointManager, checkpoint_name
 from speedtronic.checkpoint import reader as reader_module
-from speedtronic.checkpoint import storage as storage_module
+from speedtronic.checkpoint.fileio import manifest_entry
+from speedtronic.checkpoint.names import HASH_CHUNK_BYTES
 from speedtronic.data import check_shards, read_index
 from speedtronic.data.preparation import prepare
 from speedtronic.errors import CheckpointError, DataError, SpeedtronicError
@@ -742,7 +743,7 @@ def poison_weights(checkpoint: Path) -> None:
     }
     save_file(tensors, str(tensors_file), metadata={"format": "1"})
     manifest = json.loads((checkpoint / "manifest.json").read_text())
-    manifest["files"]["tensors.safetensors"] = storage_module._describe(tensors_file)
+    manifest["files"]["tensors.safetensors"] = manifest_entry(tensors_file, HASH_CHUNK_BYTES)
     (checkpoint / "manifest.json").write_text(json.dumps(manifest))
 
 

@@ -41,18 +41,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from speedtronic.checkpoint import statecodec
-from speedtronic.checkpoint.fileio import (
-    atomic_write_text,
-    free_space,
-    fsync_dir,
-    fsync_file,
-    sha256_chunks,
-)
+from speedtronic.checkpoint.fileio import free_space, fsync_dir, fsync_file, manifest_entry
 from speedtronic.checkpoint.names import (
     FORMAT_VERSION,
     HASH_CHUNK_BYTES,
     MANIFEST,
-    POINTER,
     STATE,
     TENSORS,
     checkpoint_name,
@@ -274,23 +267,13 @@ def _finish(
     for filename in names:
         fsync_file(staging / filename)
     fsync_dir(staging / DCP_DIR)
-    files = {
-        filename: {
-            "size": (staging / filename).stat().st_size,
-            "chunk_bytes": HASH_CHUNK_BYTES,
-            "sha256": sha256_chunks(staging / filename, HASH_CHUNK_BYTES),
-        }
-        for filename in names
-    }
+    files = {filename: manifest_entry(staging / filename, HASH_CHUNK_BYTES) for filename in names}
     manifest = {"format": FORMAT_VERSION, "step": step, "layout": "dcp", "files": files}
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
     fsync_file(staging / MANIFEST)
     fsync_dir(staging)
     manager.storage.move_into_place(staging, final)
-    atomic_write_text(
-        manager.directory / POINTER,
-        json.dumps({"checkpoint": final.name, "step": step, "format": FORMAT_VERSION}) + "\n",
-    )
+    manager.storage.point_latest(step)
 
 
 # ---------------------------------------------------------------------- reading

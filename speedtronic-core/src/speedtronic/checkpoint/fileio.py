@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from speedtronic._files import read_regular, regular_file_problem
 
@@ -26,6 +26,7 @@ __all__ = [
     "free_space",
     "fsync_dir",
     "fsync_file",
+    "manifest_entry",
     "probe_writable",
     "read_regular",
     "regular_file_problem",
@@ -121,6 +122,16 @@ def sha256_file(path: str | os.PathLike[str], chunk_size: int = 1 << 20) -> str:
         while chunk := handle.read(chunk_size):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def manifest_entry(path: str | os.PathLike[str], chunk_bytes: int) -> dict[str, Any]:
+    """A checkpoint manifest's entry for one file: its size and the sha256 of each
+    ``chunk_bytes`` slice (:func:`sha256_chunks`)."""
+    return {
+        "size": os.stat(path).st_size,
+        "chunk_bytes": chunk_bytes,
+        "sha256": sha256_chunks(path, chunk_bytes),
+    }
 
 
 def sha256_chunks(

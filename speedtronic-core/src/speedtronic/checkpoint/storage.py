@@ -29,8 +29,8 @@ from speedtronic.checkpoint.fileio import (
     free_space,
     fsync_dir,
     fsync_file,
+    manifest_entry,
     probe_writable,
-    sha256_chunks,
 )
 from speedtronic.checkpoint.names import checkpoint_name, step_of
 from speedtronic.checkpoint.reader import (
@@ -88,10 +88,7 @@ class CheckpointStorage(CheckpointReader):
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             final = self._write_staged(name, step, state_json=text, tensors=tensors)
-            atomic_write_text(
-                self.directory / POINTER,
-                json.dumps({"checkpoint": name, "step": step, "format": FORMAT_VERSION}) + "\n",
-            )
+            self.point_latest(step)
         except Exception as exc:  # OSError, or safetensors' own error for a full disk
             raise CheckpointError(
                 f"could not write checkpoint {name} in {self.directory}: "
@@ -111,7 +108,7 @@ class CheckpointStorage(CheckpointReader):
             # Hash (from the page cache) while the kernel flushes the same files to disk.
             with ThreadPoolExecutor(1, thread_name_prefix="fsync") as flusher:
                 flushed = [flusher.submit(fsync_file, staging / f) for f in (TENSORS, STATE)]
-                files = {f: _describe(staging / f) for f in (TENSORS, STATE)}
+                files = {f: manifest_entry(staging / f, HASH_CHUNK_BYTES) for f in (TENSORS, STATE)}
                 for future in flushed:
                     future.result()
             manifest = {"format": FORMAT_VERSION, "step": step, "files": files}
@@ -132,6 +129,14 @@ class CheckpointStorage(CheckpointReader):
                     f"expected {expected['size']}"
                 )
         return final
+
+    def point_latest(self, step: int) -> None:
+        """Atomically point ``latest.json`` at the checkpoint of ``step`` (already in place)."""
+        name = checkpoint_name(step)
+        atomic_write_text(
+            self.directory / POINTER,
+            json.dumps({"checkpoint": name, "step": step, "format": FORMAT_VERSION}) + "\n",
+        )
 
     def move_into_place(self, staging: Path, final: Path) -> None:
         """Rename a fully written, fsynced ``staging`` directory to ``final`` (replacing a
@@ -206,12 +211,3 @@ class CheckpointStorage(CheckpointReader):
             self.directory / BEST_POINTER,
             json.dumps({"checkpoint": name, "step": step, "eval_loss": eval_loss}) + "\n",
         )
-
-
-def _describe(path: Path) -> dict[str, Any]:
-    """The manifest entry of one file: size and per-slice sha256."""
-    return {
-        "size": path.stat().st_size,
-        "chunk_bytes": HASH_CHUNK_BYTES,
-        "sha256": sha256_chunks(path, HASH_CHUNK_BYTES),
-    }

@@ -20,10 +20,12 @@ __all__ = ["CheckpointWriter", "LayoutSteps", "SaveTarget"]
 
 
 class LayoutSteps(Protocol):
-    """The two steps of the shared layout every writer ends with
+    """The steps of the shared layout every writer ends with
     (:class:`~speedtronic.checkpoint.storage.CheckpointStorage` has them)."""
 
     def move_into_place(self, staging: Path, final: Path) -> None: ...
+
+    def point_latest(self, step: int) -> None: ...
 
     def apply_retention(self, step: int) -> None: ...
 
@@ -31,8 +33,8 @@ class LayoutSteps(Protocol):
 class SaveTarget(Protocol):
     """What a writer needs of the :class:`~speedtronic.checkpoint.CheckpointManager` it writes
     for: its directory, ranks and retry policy, its whole-state format, and its ``storage``,
-    whose two steps of the shared layout every writer ends with (``move_into_place``: a staged
-    checkpoint renamed into place, then ``apply_retention``)."""
+    whose steps of the shared layout every writer ends with (``move_into_place``: a staged
+    checkpoint renamed into place, ``point_latest``, then ``apply_retention``)."""
 
     directory: Path
     parallel: ParallelContext
