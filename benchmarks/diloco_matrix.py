@@ -10,6 +10,7 @@ that corpus's workdir, and every later cell reuses them.
 Row ids: ``diloco_quality.<corpus>.<condition>.<mode>.<figure>`` with the figures
 ``final_global``, ``gap_closed``, ``global_over_one_node``, ``time_to_one_node_s``,
 ``time_to_one_node_ratio`` (``inf``: the global never reached one node's final loss),
+``steps_to_one_node_ratio`` (the same in node steps: the wall ratio with a machine per node),
 ``timeout_wait_share`` (the largest share of a node's wall time in boundary waits that ended
 by a timeout: the node's own, or the master's ``round_timeout`` closing the round) and
 ``wall_s``; per corpus ``diloco_quality.<corpus>.one_node``, ``.n_x_batch``
@@ -43,6 +44,12 @@ FIGURES = {  # summary key -> (row figure, unit, what it is)
         "x",
         "time to one node's final loss / one node's wall time",
     ),
+    "steps_to_one_node_ratio": (
+        "steps_to_one_node_ratio",
+        "x",
+        "node steps until the global reached one node's final loss / the run's steps (the wall "
+        "ratio with a machine per node)",
+    ),
     "timeout_wait_share": (
         "timeout_wait_share",
         "fraction",
@@ -50,7 +57,8 @@ FIGURES = {  # summary key -> (row figure, unit, what it is)
     ),
     "diloco_wall_s": ("wall_s", "s", "wall s of the DiLoCo run"),
 }
-NEVER = ("time_to_one_node_s", "time_to_one_node_ratio")  # None there: never reached (inf)
+# None there: never reached (inf)
+NEVER = ("time_to_one_node_s", "time_to_one_node_ratio", "steps_to_one_node_ratio")
 
 
 def round_modes(config: Path) -> tuple[str, str]:
@@ -177,7 +185,7 @@ def print_table(cells: list[dict[str, Any]]) -> None:
     """One line per cell: the figures the issue's criteria read."""
     print(
         "\ncorpus                    condition  rounds  final  one node  gap closed  "
-        "to one node (x)  timeout share  wall s"
+        "to one node (x)  in steps (x)  timeout share  wall s"
     )
     for cell in cells:
         m = cell["summary"]
@@ -189,6 +197,7 @@ def print_table(cells: list[dict[str, Any]]) -> None:
         print(
             f"{cell['corpus']:<25} {cell['condition']:>9}  {cell['mode']:>6}  "
             f"{show('final_global', 5)}  {show('one_node', 8)}  {show('gap_closed', 10)}  "
-            f"{show('time_to_one_node_ratio', 15)}  {show('timeout_wait_share', 13)}  "
+            f"{show('time_to_one_node_ratio', 15)}  {show('steps_to_one_node_ratio', 12)}  "
+            f"{show('timeout_wait_share', 13)}  "
             f"{m.get('diloco_wall_s')!s:>6}{'  FAILED' if 'error' in cell else ''}"
         )

@@ -53,11 +53,13 @@ Conditions (how real swarms start and run):
 Besides the losses it reports the **time to one node's final loss**: seconds from the
 master's start until a global first scored at most the one-node run's final held-out loss (the
 `time` of the master's `outer_eval` events), and that time over the one-node run's own wall
-time; and, per DiLoCo node, the share of its wall time spent in boundary waits that ended by
-a timeout: its own (`round_wait_timeout` events) or the master's, a wait for a round the master
-closed by `round_timeout` (`round_waited` events of an outer step whose `outer_step` event says
-`reason: timeout`). Sync workers waiting for the master's first global have no event: not
-counted.
+time; the same in node steps (the newest node step of that global over the run's steps: what
+the wall ratio is when every node has a machine of its own, while here the N nodes share the
+machine's cores); and, per DiLoCo node, the share of its wall time spent in boundary waits
+that ended by a timeout: its own (`round_wait_timeout` events) or the master's, a wait for a
+round the master closed by `round_timeout` (`round_waited` events of an outer step whose
+`outer_step` event says `reason: timeout`). Sync workers waiting for the master's first
+global have no event: not counted.
 
 `--matrix` runs {together, staggered (`--matrix-stagger`, 10 s), one node 2x slower} x
 {the config's `distributed.rounds`, the other mode} on each `--corpus` (default: both corpora
@@ -458,6 +460,17 @@ def timing_figures(
     }
 
 
+def steps_to_loss(rows: list[dict[str, Any]], one: float | None, steps: int) -> dict[str, Any]:
+    """The node step of the first global that scored at most one node's final loss ``one``,
+    and that step over ``steps``: the time ratio where every node has a machine of its own
+    (on one shared machine the nodes also share its cores, which the wall ratio includes)."""
+    step = next((r["node_step"] for r in rows if one is not None and r["global_loss"] <= one), None)
+    return {
+        "steps_to_one_node": step,
+        "steps_to_one_node_ratio": step / steps if step is not None and steps else None,
+    }
+
+
 def slow_node_summary(process: Process) -> dict[str, Any]:
     """What the slowed node's ``slow_node`` event says (the factor, its median step, seconds
     slept), with the mechanism in words."""
@@ -593,6 +606,7 @@ def _run(args: argparse.Namespace, overrides: dict[str, Any], root: Path) -> Res
         if None not in (first_best, second_worst)
         else None,
         **timing_figures(diloco, master_events, one, refs[0]),
+        **steps_to_loss(evaluated, one, args.steps),
         "starts": starts,
         "arrived_after_the_end": late,
         "round_reasons": dict(sorted(Counter(str(r["reason"]) for r in rows).items())),

@@ -80,6 +80,11 @@ def report(result: Result) -> None:
         + f"; one node's wall {m['one_node_wall_s']} s; ratio "
         f"{fmt(m['time_to_one_node_ratio'], 0)}"
     )
+    if m.get("steps_to_one_node") is not None:
+        print(
+            f"  in node steps: the global of node step {m['steps_to_one_node']} reached it; "
+            f"ratio {fmt(m['steps_to_one_node_ratio'], 0)} (the wall ratio with a machine per node)"
+        )
     waits = ", ".join(
         f"{name} {fmt(w['timeout_share'], 0)} (gave up {w['timeouts']} x, {w['timeout_s']:.1f} s; "
         f"rounds the master closed by timeout {w['round_timeouts']} x, "

@@ -131,6 +131,22 @@ def test_matrix_cells_and_their_result_lines(capsys: pytest.CaptureFixture[str])
     assert "(config default)" in ids["diloco_quality.kjv.together.async.final_global"]["label"]
 
 
+def test_steps_to_one_node_is_the_first_global_at_or_below_its_loss() -> None:
+    steps_to_loss = benchmark_module("diloco_quality").steps_to_loss
+    rows = [
+        {"node_step": 25, "global_loss": 3.0},
+        {"node_step": 50, "global_loss": 1.9},
+        {"node_step": 75, "global_loss": 2.1},  # back above: the first one counts
+        {"node_step": 100, "global_loss": 1.5},
+    ]
+    assert steps_to_loss(rows, 2.0, 200) == {
+        "steps_to_one_node": 50,
+        "steps_to_one_node_ratio": 0.25,
+    }
+    assert steps_to_loss(rows, 1.0, 200)["steps_to_one_node"] is None
+    assert steps_to_loss(rows, None, 200)["steps_to_one_node_ratio"] is None
+
+
 def test_round_modes_read_the_config(tmp_path: Path) -> None:
     modes = benchmark_module("diloco_matrix").round_modes
     (tmp_path / "sync.yaml").write_text("distributed:\n  rounds: sync\n")

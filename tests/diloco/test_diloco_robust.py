@@ -329,6 +329,35 @@ def test_one_node_one_vote_per_round(tmp_path: Path) -> None:
     assert contributions[0].norm == pytest.approx(3 * norm) and contributions[0].scale == 1.0
 
 
+def test_a_round_where_every_node_sent_several_deltas_keeps_their_whole_progress(
+    tmp_path: Path,
+) -> None:
+    """Issue 40: when the master's rounds lag the nodes' inner loops, every node's part is a
+    sum of several deltas; none is shrunk to one delta's norm (only the one above the middle
+    node's part is capped), and a node alone keeps its sum up to k typical norms."""
+    rules = AggregationRules()
+    deltas = [
+        checked(tmp_path, node, step, delta_like(seed=10 * i + step))
+        for i, node in enumerate(("a", "b", "c"))
+        for step in (1, 2, 3)
+    ]
+    contributions, rejected, _ = screen_round(deltas, 0, [], rules)
+    assert not rejected and [len(c.deltas) for c in contributions] == [3, 3, 3]
+    parts = sorted(c.norm * c.scale for c in contributions)
+    single = deltas[0].norm
+    assert parts[0] > 1.5 * single  # a sum of 3 random deltas: about sqrt(3) x one
+    assert sum(c.scale == 1.0 for c in contributions) >= 2  # at most the top one is capped
+    assert parts[2] == pytest.approx(parts[1])
+    # Alone, with a history of typical norms: capped at 3 typical norms, not at one.
+    alone, _, _ = screen_round(deltas[:3], 0, [single] * 4, rules)
+    (part,) = alone
+    assert part.scale == 1.0 or part.norm * part.scale == pytest.approx(3 * single)
+    assert part.norm * part.scale > 1.5 * single
+    tiny = [single / 100] * 4  # history of far smaller deltas: 3 of those at most
+    (capped,), _, _ = screen_round(deltas[:3], 0, tiny, AggregationRules(outlier_policy="clip"))
+    assert capped.norm * capped.scale == pytest.approx(3 * single / 100)
+
+
 @pytest.mark.parametrize("history", [[], [50.0, 50.0, 50.0, 50.0]])
 @pytest.mark.parametrize("aggregation", ["mean", "median", "trimmed_mean"])
 def test_a_sybil_never_outweighs_an_honest_node(

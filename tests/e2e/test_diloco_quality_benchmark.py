@@ -73,6 +73,9 @@ def test_the_smallest_quality_run_reports_the_global_beside_both_references(
     reached, ratio = totals["time_to_one_node_s"], totals["time_to_one_node_ratio"]
     assert (reached is None) == (ratio is None), totals
     assert reached is None or (reached >= 0 and math.isfinite(ratio)), totals
+    steps = totals["steps_to_one_node"]  # the same global, counted in node steps
+    assert (steps is None) == (reached is None), totals
+    assert steps is None or totals["steps_to_one_node_ratio"] == steps / 10, totals
     assert set(totals["waits"]) == {"master", "worker-1"}
     assert 0.0 <= totals["timeout_wait_share"] <= 1.0, totals["waits"]
     assert "time to one node's final loss" in done.stdout

@@ -11,9 +11,9 @@ rejected; a delta whose norm exceeds ``max_norm_ratio`` x the median of recent t
 norms (one per node per round; while fewer than :data:`MIN_HISTORY` are known: the lower
 median of this round's nodes) is rejected or clipped to that threshold; a node's several
 deltas in one round are summed into one contribution (as if it had uploaded once) whose norm
-is capped at a typical delta's norm (the median the threshold derives from, and at most this
-round's lower median of the nodes' typical norms); each contribution counts once, at full
-weight, so 50 deltas of one node weigh no more than one honest node's delta. Staleness
+is capped at ``k`` typical norms (the median the threshold derives from, for a sum of ``k``)
+and at this round's lower median of the contributions' norms; each contribution counts once,
+at full weight, so 50 deltas of one node weigh no more than the middle node's part. Staleness
 weighting (``inverse``: 1 / (1 + s), renormalised) applies to the mean.
 
 Combination (:func:`aggregate`): the weighted mean as a running float64 sum, one delta file at a
@@ -333,10 +333,12 @@ def screen_round(
     per node per round) or, with fewer than :data:`MIN_HISTORY` entries, of this round's
     nodes' typical norms (lower median). A delta above it is rejected (``clip``: scaled to it).
     A node's remaining deltas are summed into one contribution, as if it had uploaded once
-    (a node whose uploads were skipped sends that sum itself); the norm of a sum of several
-    deltas is then capped at the smaller of the median above and this round's lower median of
-    the nodes' typical norms, a single delta's at the threshold: however many deltas a node
-    sends, it weighs no more than a typical delta. With ``outlier_policy: off`` nothing is
+    (a node whose uploads were skipped sends that sum itself). A single delta's norm is capped
+    at the threshold; a sum of ``k`` deltas at the smaller of ``k`` x the median above (each
+    counts as at most a typical delta) and this round's lower median of the contributions'
+    norms: however many deltas a node sends, its part is no larger than the middle node's,
+    while a round in which every node sent several (the master's rounds lagging the nodes' inner
+    loops) or a node alone keeps its whole progress. With ``outlier_policy: off`` nothing is
     rejected, clipped or capped.
 
     Returns ``(contributions, rejected, threshold)``."""
@@ -373,13 +375,11 @@ def screen_round(
         for node, group in sorted(by_node.items())
     }
     threshold: float | None = None
-    sum_cap: float | None = None
+    reference = 0.0
     if groups and rules.outlier_policy != "off":
         typical = lower_median([lower_median([d.norm for d in g]) for g in groups.values()])
         reference = lower_median(history) if len(history) >= MIN_HISTORY else typical
         threshold = rules.max_norm_ratio * reference
-        # Not above this round's typical node either: history may remember larger deltas.
-        sum_cap = min(reference, typical)
     contributions = []
     for node, group in groups.items():
         kept: list[CheckedDelta] = []
@@ -407,16 +407,24 @@ def screen_round(
             delta_scales=scales,
             typical=lower_median([d.norm * s for d, s in zip(kept, scales)]),
         )
-        # One delta may reach the outlier threshold; a sum of several is capped at a typical
-        # delta's norm, so that sending many deltas never buys a node more weight than an
-        # honest node's single delta.
-        cap = threshold if len(kept) == 1 else sum_cap
-        if cap is not None and contribution.norm > cap:
-            contribution.scale = cap / contribution.norm
         if rules.staleness_weighting == "inverse":
             contribution.weight = 1.0 / (1.0 + contribution.staleness)
         contributions.append(contribution)
+    if threshold is not None and contributions:
+        _cap_contributions(contributions, threshold, reference)
     return contributions, rejected, threshold
+
+
+def _cap_contributions(contributions: list[Contribution], threshold: float, typical: float) -> None:
+    """Scale each contribution down to its cap (see :func:`screen_round`): one delta at
+    ``threshold``; a sum of ``k`` at ``k x typical`` and at the round's middle part, so that
+    sending many deltas never buys a node a larger part than the middle node's."""
+    middle = lower_median([c.norm for c in contributions])
+    for contribution in contributions:
+        count = len(contribution.deltas)
+        cap = threshold if count == 1 else min(count * typical, middle)
+        if contribution.norm > cap:
+            contribution.scale = cap / contribution.norm
 
 
 def aggregate(
