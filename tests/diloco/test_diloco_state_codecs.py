@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from speedtronic.checkpoint import statecodec
 from speedtronic_diloco.coordinator import DumbDiLoCoCoordinator
-from speedtronic_diloco.fragments import FragmentBook
 from speedtronic_diloco.ledger import DeltaLedger
+from speedtronic_diloco.master.fragments import MasterFragments
 from speedtronic_diloco.master.state import (
     STATE_FILE,
     OuterState,
@@ -96,8 +96,8 @@ outer_states = st.builds(
     halted=st.none() | text.filter(bool),
     signatures=st.lists(st.text("0123456789abcdef", min_size=1, max_size=16), max_size=8),
     fragments=st.builds(
-        lambda steps, files: FragmentBook(
-            None, steps=steps, versions=[s + 1 for s in steps], files=files[: len(steps)]
+        lambda steps, files: MasterFragments.whole(
+            steps=steps, versions=[s + 1 for s in steps], files=files[: len(steps)]
         ),
         st.lists(small_ints, max_size=4),
         st.lists(st.none() | fragment_files, max_size=4),

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from speedtronic_diloco.fragments import (
-    FragmentBook,
     FragmentError,
     FragmentLayout,
+    FragmentPlan,
     FragmentSchedule,
     balanced_partition,
     delta_fragments,
@@ -24,6 +24,7 @@ from speedtronic_diloco.fragments import (
     step_fragments,
 )
 from speedtronic_diloco.master.round import nesterov_step
+from speedtronic_diloco.node.fragments import NodeFragments
 
 
 def best_max(sizes: list[int], count: int) -> int:
@@ -204,21 +205,21 @@ def test_per_fragment_outer_steps_and_momentum_match_a_hand_computation() -> Non
 
 def test_node_installs_only_fragments_that_advanced() -> None:
     layout = FragmentLayout.build(model_state(), 2)
-    node = FragmentBook(layout, FragmentSchedule(10, 2))
+    node = NodeFragments(FragmentPlan(layout, FragmentSchedule(10, 2)))
     fp = layout.fingerprint
-    assert node.plan(((3, 2), fp), allowed=[1]) == (0, 1)  # the first global: everything
+    assert node.to_install(((3, 2), fp), allowed=[1]) == (0, 1)  # the first global: everything
     node.mark((0, 1), ((3, 2), fp))
     assert node.installed == [3, 2] and node.generations == [1, 1]
-    assert node.plan(((4, 2), fp)) == (0,)
-    assert node.plan(((4, 3), fp), allowed=[1]) == (1,)
+    assert node.to_install(((4, 2), fp)) == (0,)
+    assert node.to_install(((4, 3), fp), allowed=[1]) == (1,)
     assert node.pending(((4, 3), fp)) == (0, 1)
     node.mark((1,), ((4, 3), fp))
     assert node.installed == [3, 3] and node.generations == [1, 2]
     assert node.pending(((4, 3), fp)) == (0,)
-    assert node.plan(((4, 3), "other")) == (0, 1)  # another layout: install everything
-    assert node.plan(None) == (0, 1)
+    assert node.to_install(((4, 3), "other")) == (0, 1)  # another layout: install everything
+    assert node.to_install(None) == (0, 1)
     saved = node.state_dict()
-    again = FragmentBook(layout, FragmentSchedule(10, 2))
+    again = NodeFragments(FragmentPlan(layout, FragmentSchedule(10, 2)))
     again.load_state_dict(saved)
     assert again.installed == [3, 3]
     again.load_state_dict({**saved, "count": 3})

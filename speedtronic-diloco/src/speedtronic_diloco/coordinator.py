@@ -57,7 +57,7 @@ from torch import nn
 
 from speedtronic_diloco.codecs import CodecSpec, ErrorFeedback
 from speedtronic_diloco.config import DistributedConfig, distributed_config, resolve_state_dir
-from speedtronic_diloco.fragments import FragmentBook, FragmentLayout, FragmentSchedule
+from speedtronic_diloco.fragments import FragmentLayout, FragmentPlan, FragmentSchedule
 from speedtronic_diloco.identity import resolve_node_id
 from speedtronic_diloco.lease import LeaseHeldError, LeaseKeeper
 from speedtronic_diloco.master.loop import MasterOuterLoop
@@ -65,6 +65,7 @@ from speedtronic_diloco.node.boundary import OwnProgress, cut
 from speedtronic_diloco.node.context import NodeContext
 from speedtronic_diloco.node.failover import Failover
 from speedtronic_diloco.node.finished import FinishedWatch, finished_interval
+from speedtronic_diloco.node.fragments import NodeFragments
 from speedtronic_diloco.node.install import Installer
 from speedtronic_diloco.node.lanes import Lane, Uploads, clear_pending
 from speedtronic_diloco.node.resume import PendingUpload, restore_node_state
@@ -134,9 +135,11 @@ class DumbDiLoCoCoordinator:
             transport=self.transport,
             retry=RetryPolicy(self.config.max_retries, self.config.retry_backoff),
             state=NodeState(self.node_id, self.role, baseline=baseline),
-            book=FragmentBook(
-                FragmentLayout.build(baseline, self.config.fragments),
-                FragmentSchedule(self.config.inner_steps, self.config.fragments),
+            fragments=NodeFragments(
+                FragmentPlan(
+                    FragmentLayout.build(baseline, self.config.fragments),
+                    FragmentSchedule(self.config.inner_steps, self.config.fragments),
+                )
             ),
             codec=codec,
             feedback=ErrorFeedback(codec, enabled=self.config.error_feedback),
@@ -151,7 +154,7 @@ class DumbDiLoCoCoordinator:
         self.round_mode = round_mode(self.config.rounds)
         keep = self.config.keep_own_progress and self.round_mode.keeps_own_progress
         own = OwnProgress(
-            self.ctx.book.own_progress(keep and self.config.install_at == "boundary"),
+            self.ctx.fragments.own_progress(keep and self.config.install_at == "boundary"),
             self.config.own_progress_scale or min(self.config.outer_lr, 1.0),
         )
         self.uploads = Uploads(self.ctx, own)
@@ -283,7 +286,7 @@ class DumbDiLoCoCoordinator:
             checkpointed=self._prepared_outer,
             signing_key=self.ctx.key,
             evaluate=self._evaluate,
-            fragments=self.ctx.book.layout,
+            fragments=self.ctx.fragments.plan.layout,
             lease=lease,
         )
 
@@ -359,7 +362,8 @@ class DumbDiLoCoCoordinator:
             self.outer.raise_if_failed()  # a dead outer thread stops the run, loudly
         self.ctx.state.local_step = step
         pushed = loaded = False
-        self._due = self.ctx.book.due(step)  # one fragment: (0,) when step % inner_steps == 0
+        # One fragment: (0,) when step % inner_steps == 0.
+        self._due = self.ctx.fragments.plan.due(step)
         boundary = bool(self._due) or final
         if boundary and not final and self.outer is None and self.finished.alone_now():
             return False  # the run finished: this node trains alone from now on
@@ -441,7 +445,7 @@ class DumbDiLoCoCoordinator:
                 ctx.state,
                 baseline=dict(ctx.state.baseline),
                 error_feedback=ctx.feedback.state_dict() if ctx.feedback.residual else None,
-                fragments=ctx.book.state_dict(),
+                fragments=ctx.fragments.state_dict(),
             )
         snapshot.outer = self.outer.state_dict() if self.outer is not None else None
         return to_checkpoint(snapshot)

@@ -31,7 +31,8 @@ own, and a round publishes only the files of the fragments it stepped, atomicall
 metadata listing every fragment's file (:mod:`speedtronic_diloco.fragment_files`); elsewhere
 the whole global goes in one file.
 
-**A node** remembers the fragment versions it installed (:class:`FragmentBook`) and downloads
+**A node** remembers the fragment versions it installed
+(:class:`~speedtronic_diloco.node.fragments.NodeFragments`) and downloads
 and installs, from a newer global, only the fragments whose version advanced; with
 ``install_at: boundary`` fragment ``j`` only at its own sync step, right after its upload.
 Other fragments' weights and baselines, hence their local progress, are left alone.
@@ -44,7 +45,6 @@ import hashlib
 import itertools
 import json
 import math
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -60,9 +60,9 @@ __all__ = [
     "FRAGMENT_COUNT_META",
     "FRAGMENT_LAYOUT_META",
     "LAYER_SLACK",
-    "FragmentBook",
     "FragmentError",
     "FragmentLayout",
+    "FragmentPlan",
     "FragmentSchedule",
     "balanced_partition",
     "delta_fragments",
@@ -319,39 +319,20 @@ def step_fragments(
     return new_params, new_momentum, steps
 
 
-class FragmentBook:
-    """Everything about a run's fragments, on either side: the layout, the schedule and the
-    per-fragment versions. K = 1 (or a master built without a layout) is a book of one
-    fragment over every floating tensor; the callers never ask whether there are fragments.
-
-    The node side keeps the fragment versions it installed (``installed``; None before any:
-    the first global installs every fragment) and one generation counter per fragment (an
-    upload of a fragment that was reinstalled since must not move that fragment's baseline).
-    The master side keeps the per-fragment outer step counters (``steps``), versions (the outer
-    step of each fragment's last update) and published files (``files``: None where a
-    fragment has no file in this lineage yet), plus each fragment's recent contribution norms
-    (not persisted: the outlier rule's history per fragment)."""
+class FragmentPlan:
+    """What both sides of a run agree on about its fragments: the layout (None for K = 1, or a
+    master built without one: a plan of one fragment over every floating tensor) and the
+    schedule (nodes only). Holds no state that changes during a run; each side keeps its own
+    next to it (:class:`~speedtronic_diloco.node.fragments.NodeFragments`,
+    :class:`~speedtronic_diloco.master.fragments.MasterFragments`), so the callers never ask
+    whether there are fragments."""
 
     def __init__(
-        self,
-        layout: FragmentLayout | None,
-        schedule: FragmentSchedule | None = None,
-        *,
-        steps: Sequence[int] = (),
-        versions: Sequence[int] = (),
-        files: Sequence[Any] = (),
+        self, layout: FragmentLayout | None, schedule: FragmentSchedule | None = None
     ) -> None:
         self.layout = layout if layout is not None and layout.count > 1 else None
         self.schedule = schedule
-        self.installed: list[int] | None = None
-        self.generations = [0] * self.count
-        self.steps = list(steps)
-        self.versions = list(versions)
-        self.files: list[Any] = list(files)
-        self.norms: dict[int, deque[float]] = {}
-        self._published: dict[int, dict[str, Any]] = {}  # outer step -> its fragment info
 
-    # ----------------------------------------------------------------- both sides
     @property
     def count(self) -> int:
         return 1 if self.layout is None else self.layout.count
@@ -359,6 +340,11 @@ class FragmentBook:
     @property
     def fingerprint(self) -> str:
         return "" if self.layout is None else self.layout.fingerprint
+
+    @property
+    def whole(self) -> bool:
+        """True for a plan of one fragment (the whole model syncs at once)."""
+        return self.layout is None
 
     def everything(self) -> tuple[int, ...]:
         return tuple(range(self.count))
@@ -370,210 +356,17 @@ class FragmentBook:
         return self.schedule.due(step)
 
     def select(self, state: Mapping[str, torch.Tensor], fragments: Iterable[int]) -> TensorDict:
-        """The entries of ``state`` in ``fragments`` (a book of one: all of ``state``)."""
+        """The entries of ``state`` in ``fragments`` (a plan of one: all of ``state``)."""
         if self.layout is None:
             return dict(state)
         return self.layout.select(state, fragments)
 
     def names(self, fragments: Iterable[int]) -> set[str] | None:
-        """The tensor names of ``fragments``; None for a book of one (every name)."""
+        """The tensor names of ``fragments``; None for a plan of one (every name)."""
         return None if self.layout is None else set(self.layout.keys(fragments))
 
-    # ----------------------------------------------------------------- node side
-    def delta_metadata(self, fragments: Sequence[int]) -> dict[str, str]:
-        """The metadata entries of a delta covering ``fragments`` (a book of one: none, its
-        delta covers the whole model)."""
-        return {} if self.layout is None else fragment_metadata(fragments, self.layout)
-
-    def pending_fields(self, fragments: Sequence[int]) -> dict[str, list[int]]:
-        """What a checkpointed outstanding upload records about its fragments."""
-        return {} if self.layout is None else {"fragments": list(fragments)}
-
-    def fragment_field(self, fragments: Sequence[int]) -> dict[str, str]:
-        """The ``fragments`` field of a node's events (a book of one: none)."""
-        return {} if self.layout is None else {FRAGMENTS_META: ",".join(str(j) for j in fragments)}
-
-    def describe(self, fragments: Sequence[int]) -> str:
-        """How a log line names an install of ``fragments`` of a global."""
-        return (
-            "global weights of" if self.layout is None else f"fragments {list(fragments)} of global"
-        )
-
-    def own_progress(self, wanted: bool) -> bool:
-        """Whether a node keeps its own unaggregated deltas across installs
-        (``keep_own_progress``): defined for whole-model installs, a book of one."""
-        return wanted and self.layout is None
-
-    def exact_target(self) -> bool:
-        """True when a landed delta's target is the node's weights at its step (one fragment);
-        with several, the other fragments moved on since."""
-        return self.layout is None
-
-    def advanced(self, baseline: TensorDict, target: TensorDict, job: Any) -> TensorDict:
-        """The baseline after the upload ``job`` landed: the target's tensors of each fragment
-        it covers that was not reinstalled since (a book of one: the whole target, or the
-        baseline as it is)."""
-        moved = [j for j in job.fragments if self.generations[j] == job.fragment_generations[j]]
-        if self.layout is None:
-            return target if moved else baseline
-        return {**baseline, **{k: target[k] for k in self.layout.keys(moved)}}
-
-    def file_layout(self, local: Mapping[str, torch.Tensor], count: int) -> FragmentLayout:
-        """The layout a global published as ``count`` fragment files is read with: this
-        run's (a book of one: the model's own cut into ``count``; FragmentError if it cannot
-        be)."""
-        return self.layout if self.layout is not None else FragmentLayout.build(local, count)
-
-    def files_wanted(
-        self, versions: Sequence[int], layout: FragmentLayout, complete: bool
-    ) -> tuple[int, ...]:
-        """The fragment files of a global to download: every one ``complete`` (and for a book
-        of one, which installs the whole global), else those whose version advanced."""
-        if complete or self.layout is None:
-            return tuple(range(layout.count))
-        return self.plan((tuple(versions), layout.fingerprint))
-
-    def plan(
-        self,
-        info: tuple[tuple[int, ...], str] | None,
-        allowed: Iterable[int] | None = None,
-    ) -> tuple[int, ...]:
-        """The fragments to install from a global with fragment ``info`` (versions, layout),
-        limited to ``allowed`` (None: any). A global without usable info, or the first one,
-        installs every fragment."""
-        everything = self.everything()
-        if info is None or len(info[0]) != self.count or info[1] != self.fingerprint:
-            return everything
-        if self.installed is None:
-            return everything
-        wanted = set(everything if allowed is None else allowed)
-        return tuple(j for j in everything if j in wanted and info[0][j] > self.installed[j])
-
-    def pending(self, info: tuple[tuple[int, ...], str] | None) -> tuple[int, ...]:
-        """Fragments of that global not installed yet (empty: fully absorbed)."""
-        if info is None or self.installed is None or len(info[0]) != self.count:
-            return ()
-        return tuple(j for j in self.everything() if info[0][j] > self.installed[j])
-
-    def mark(self, fragments: Sequence[int], info: tuple[tuple[int, ...], str] | None) -> None:
-        """``fragments`` were installed from a global with fragment ``info``."""
-        steps = info[0] if info is not None and len(info[0]) == self.count else None
-        if self.installed is None:
-            self.installed = list(steps) if steps is not None else [0] * self.count
-        for j in fragments:
-            self.generations[j] += 1
-            if steps is not None:
-                self.installed[j] = max(self.installed[j], steps[j])
-
-    def state_dict(self) -> dict[str, Any] | None:
-        """The node's installed versions for its checkpoint (None for a book of one)."""
-        if self.layout is None:
-            return None
-        return {
-            "count": self.count,
-            "layout": self.fingerprint,
-            "installed": None if self.installed is None else list(self.installed),
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
-        """Restore :meth:`state_dict` when it was saved with this layout (else forget: the
-        next global installs every fragment)."""
-        if self.layout is None:
-            return
-        if not state or state.get("count") != self.count or state.get("layout") != self.fingerprint:
-            self.installed = None
-            return
-        installed = state.get("installed")
-        self.installed = None if installed is None else [int(s) for s in installed]
-        self.generations = [g + 1 for g in self.generations]
-
-    # ----------------------------------------------------------------- master side
-    def start_master(self, outer_step: int, norm_history: int) -> None:
-        """Fit the saved counters to this layout (another count: steps restart at zero,
-        every version at ``outer_step``) and start the per-fragment norm histories."""
-        if self.layout is None:
-            return
-        if len(self.steps) != self.count:
-            self.steps = [0] * self.count
-        if len(self.versions) != self.count:
-            self.versions = [outer_step] * self.count
-        if len(self.files) != self.count:
-            self.files = [None] * self.count
-        self.norms = {j: deque(maxlen=norm_history) for j in self.everything()}
-        self._published[outer_step] = self.info()
-
-    def restart_versions(self, outer_step: int) -> None:
-        """Every fragment's version becomes ``outer_step`` and no file is kept: every node
-        installs all of it and every fragment file is published again."""
-        self.versions = [outer_step] * len(self.versions)
-        self.files = [None] * len(self.versions)
-
-    def adopt_published(
-        self, check: Callable[[FragmentLayout], Sequence[int]], files: Sequence[Any]
-    ) -> None:
-        """Continue from a published global's fragment ``files`` when ``check(layout)`` (its
-        versions; raises when they are not this layout's) accepts them; a book of one
-        publishes no fragment files."""
-        if self.layout is None:
-            return
-        self.versions = list(check(self.layout))
-        self.files = list(files)
-
-    def covers(self, metadata: Mapping[str, str]) -> tuple[int, ...]:
-        """The fragments a delta covers (FragmentError when it does not fit the layout)."""
-        if self.layout is None:
-            return (0,)
-        return delta_fragments(metadata, self.layout)
-
-    def view(self, delta: Any, j: int) -> Any:
-        """A checked delta restricted to fragment ``j`` (a book of one: the delta itself)."""
-        if self.layout is None:
-            return delta
-        return fragment_view(delta, self.layout.fragments[j])
-
-    def norm_history(self, j: int, whole: Sequence[float]) -> list[float]:
-        """The outlier rule's history for fragment ``j`` (a book of one: ``whole``, the
-        persisted one)."""
-        return list(whole) if self.layout is None else list(self.norms.get(j, ()))
-
-    def after_round(self, groups: Mapping[int, Sequence[Any]], outer_step: int) -> None:
-        """A round stepped ``groups`` (fragment -> contributions) into ``outer_step``: count
-        the fragments' steps, version them, remember their norms."""
-        if self.layout is None:
-            return
-        for j, group in groups.items():
-            self.steps[j] += 1
-            self.versions[j] = outer_step
-            for contribution in group:
-                typical = getattr(contribution, "typical", 0.0)
-                self.norms[j].append(typical or contribution.norm * contribution.scale)
-        self._published[outer_step] = self.info()
-        for old in sorted(self._published)[:-16]:
-            del self._published[old]
-
-    def info(self) -> dict[str, Any]:
-        return {
-            "count": self.count,
-            "layout": self.fingerprint,
-            "steps": list(self.steps),
-            "versions": list(self.versions),
-        }
-
-    def extra(self) -> dict[str, Any]:
-        """The ``fragments`` entry of a published global's ``extra`` (a book of one: none)."""
-        return {} if self.layout is None else {FRAGMENTS_META: self.info()}
-
-    def info_at(self, outer_step: int) -> tuple[tuple[int, ...], str] | None:
-        """``(versions, layout)`` of the global of ``outer_step`` (None: unknown)."""
-        info = self._published.get(outer_step)
-        return None if info is None else (tuple(info["versions"]), str(info["layout"]))
-
-    def event_fields(self, groups: Mapping[int, Any]) -> dict[str, str]:
-        """The ``fragments`` field of an ``outer_step`` event (a book of one: none)."""
+    def fragment_field(self, fragments: Iterable[int]) -> dict[str, str]:
+        """The ``fragments`` field of an event about ``fragments`` (a plan of one: none)."""
         if self.layout is None:
             return {}
-        return {FRAGMENTS_META: ",".join(str(j) for j in sorted(groups))}
-
-    def publishes_files(self, store_supports: bool) -> FragmentLayout | None:
-        """The layout to publish one file per fragment with, or None for one whole file."""
-        return self.layout if store_supports else None
+        return {FRAGMENTS_META: ",".join(str(j) for j in fragments)}

@@ -28,8 +28,9 @@ from speedtronic_diloco.aggregation import (
     inspect_delta,
 )
 from speedtronic_diloco.codecs import CodecError, decode_delta_file, is_compressed
-from speedtronic_diloco.fragments import FragmentBook, FragmentError
+from speedtronic_diloco.fragments import FragmentError
 from speedtronic_diloco.ledger import bounded_reason
+from speedtronic_diloco.master.fragments import MasterFragments
 from speedtronic_diloco.retry import RetryPolicy
 from speedtronic_diloco.signing import SignatureError, read_header, verify_file
 from speedtronic_diloco.tensors import TensorDict
@@ -199,7 +200,7 @@ class Intake:
         self,
         info: DeltaInfo,
         reference: TensorDict,
-        book: FragmentBook,
+        book: MasterFragments,
         *,
         processed: Callable[[DeltaInfo, str], bool],
         signatures: Collection[str],
@@ -230,7 +231,7 @@ class Intake:
             size = dest.stat().st_size
         try:
             covers, metadata = self._metadata(info, dest, book)
-            reference = book.select(reference, covers)
+            reference = book.plan.select(reference, covers)
             compressed = is_compressed(metadata)
             signature = self._verify_compressed(info, dest) if compressed else None
             path = self._decode(info, dest) if compressed else dest
@@ -267,7 +268,7 @@ class Intake:
 
     @staticmethod
     def _metadata(
-        info: DeltaInfo, dest: Path, book: FragmentBook
+        info: DeltaInfo, dest: Path, book: MasterFragments
     ) -> tuple[tuple[int, ...], dict[str, str]]:
         """``(fragments covered, metadata)`` of the downloaded file, read from its header."""
         try:

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from speedtronic_diloco.fragment_files import FragmentFileError, check_fragment_metadata
-from speedtronic_diloco.fragments import FragmentBook, FragmentLayout
+from speedtronic_diloco.fragments import FragmentLayout, FragmentPlan
+from speedtronic_diloco.master.fragments import MasterFragments
 from speedtronic_diloco.master.history import keep_history
 from speedtronic_diloco.master.state import (
     NORM_HISTORY,
@@ -73,7 +74,7 @@ class OuterStateKeeper:
         self.set_fragments(fragments)
 
     @property
-    def fragments(self) -> FragmentBook:
+    def fragments(self) -> MasterFragments:
         return self.state.fragments
 
     @property
@@ -94,8 +95,10 @@ class OuterStateKeeper:
         fragment's version at the current outer step."""
         with self.lock:
             old = self.state.fragments
-            book = FragmentBook(layout, steps=old.steps, versions=old.versions, files=old.files)
-            book.start_master(self.state.outer_step, NORM_HISTORY)
+            book = MasterFragments(
+                FragmentPlan(layout), steps=old.steps, versions=old.versions, files=old.files
+            )
+            book.start(self.state.outer_step, NORM_HISTORY)
             self.state.fragments = book
 
     def fragment_info_at(self, outer_step: int) -> tuple[tuple[int, ...], str] | None:
@@ -134,9 +137,9 @@ class OuterStateKeeper:
     def _keeping_layout(self, loaded: OuterState) -> OuterState:
         """``loaded`` with this run's fragment layout around its saved counters."""
         saved = loaded.fragments
-        layout = self.state.fragments.layout
-        book = FragmentBook(layout, steps=saved.steps, versions=saved.versions, files=saved.files)
-        book.start_master(loaded.outer_step, NORM_HISTORY)
+        plan = self.state.fragments.plan
+        book = MasterFragments(plan, steps=saved.steps, versions=saved.versions, files=saved.files)
+        book.start(loaded.outer_step, NORM_HISTORY)
         return replace(loaded, fragments=book)
 
     def save(self) -> None:

@@ -351,7 +351,7 @@ class MasterOuterLoop:
         if result.accepted:
             fields = {
                 "bytes_received": self._bytes_in,
-                **after.fragments.event_fields(result.groups),
+                **after.fragments.plan.fragment_field(sorted(result.groups)),
             }
             self._bytes_in = 0
             self.reporter.round(result, fields)

@@ -239,7 +239,7 @@ def run_round(
         grads = {
             j: aggregate(
                 group,
-                book.select(floating_only(reference), [j]),
+                book.plan.select(floating_only(reference), [j]),
                 rules.aggregation,
                 rules.trimmed_fraction,
             )
@@ -255,7 +255,7 @@ def run_round(
             return nesterov_step(params, g, m, lr, momentum, use_momentum=full)
 
         params, buffers, _ = step_fragments(
-            step, floating_only(reference), grads, state.momentum, [0] * book.count
+            step, floating_only(reference), grads, state.momentum, [0] * book.plan.count
         )
         del grads
         new_global = {**reference, **params}
@@ -316,7 +316,7 @@ def _screen(
     groups: dict[int, list[Any]] = {}
     late: list[tuple[CheckedDelta, Any]] = []
     thresholds: list[float] = []
-    for j in book.everything():
+    for j in book.plan.everything():
         mine = [book.view(d, j) for d in checked if j in covers.get(d.info.key, (j,))]
         if not mine:
             continue
@@ -343,7 +343,7 @@ def _after(
     contributions: list[Any],
     problem: str | None,
 ) -> OuterState:
-    """The state after the round (a new object; the fragment book is the loop's to update)."""
+    """The state after the round (a new object; its fragments are the loop's to update)."""
     norms = [*state.norm_history, *(c.typical for c in contributions)][-NORM_HISTORY:]
     signatures = [
         *state.signatures,

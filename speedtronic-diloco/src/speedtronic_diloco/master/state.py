@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from speedtronic_diloco.fragments import FragmentBook
 from speedtronic_diloco.ledger import DeltaLedger
+from speedtronic_diloco.master.fragments import MasterFragments
 from speedtronic_diloco.tensors import TensorDict, TensorFileError, load_tensors, save_tensors
 from speedtronic_diloco.transports.base import FragmentFile, PermanentTransportError
 
@@ -61,7 +61,7 @@ class OuterState:
     rejections: list[dict[str, Any]] = field(default_factory=list)
     halted: str | None = None  # why the loop stopped publishing (a bad candidate), or None
     signatures: list[str] = field(default_factory=list)
-    fragments: FragmentBook = field(default_factory=lambda: FragmentBook(None))
+    fragments: MasterFragments = field(default_factory=MasterFragments.whole)
     rolled_back: dict[str, Any] | None = None  # the last `diloco rollback` that made this state
 
     def trimmed(self) -> OuterState:
@@ -114,8 +114,7 @@ def decode(tensors: Mapping[str, Any], meta: Mapping[str, str]) -> OuterState:
         rejections=[r for r in _listed(meta, "rejections") if isinstance(r, dict)],
         halted=meta.get("halted") or None,
         signatures=[str(s) for s in _listed(meta, "signatures")],
-        fragments=FragmentBook(
-            None,
+        fragments=MasterFragments.whole(
             steps=[int(s) for s in saved.get("steps") or ()],
             versions=[int(s) for s in saved.get("versions") or ()],
             files=_files_from_json(saved.get("files")),
@@ -165,8 +164,7 @@ def from_checkpoint(data: Mapping[str, Any]) -> OuterState:
         processed=DeltaLedger.from_json(data.get("processed")),
         norm_history=[float(n) for n in data.get("norm_history") or ()],
         halted=data.get("halted") or None,
-        fragments=FragmentBook(
-            None,
+        fragments=MasterFragments.whole(
             steps=[int(s) for s in data.get("fragment_steps") or ()],
             versions=[int(s) for s in data.get("fragment_versions") or ()],
             files=_files_from_json(data.get("fragment_files")),

@@ -1,4 +1,4 @@
-"""A node's inner-loop boundary: when it syncs (the fragment book's schedule) and what it
+"""A node's inner-loop boundary: when it syncs (the run's fragment schedule) and what it
 sends, the pseudo-gradient (baseline minus current weights) of the fragments due, as an
 :class:`UploadJob` for the upload lane. With ``install_at: boundary`` and
 ``keep_own_progress`` the node also remembers its own deltas until a global shows them
@@ -61,13 +61,13 @@ def cut(
             ctx.state.baseline = current
             ctx.state.generation += 1
         return None
-    book = ctx.book
-    fragments = book.everything() if final else due
+    book = ctx.fragments
+    fragments = book.plan.everything() if final else due
     job = UploadJob(
         step,
         generation,
         current,
-        book.select(delta, fragments),
+        book.plan.select(delta, fragments),
         base_outer,
         uuid.uuid4().hex,
         final,

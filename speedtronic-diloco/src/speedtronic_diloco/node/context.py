@@ -1,5 +1,5 @@
 """What every room of a node shares: its settings, store, retry policy, lock, live state,
-fragment book and event queue."""
+fragments and event queue."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 
 from speedtronic_diloco.codecs import CodecSpec, ErrorFeedback, residual_survives
 from speedtronic_diloco.config import DistributedConfig
-from speedtronic_diloco.fragments import FragmentBook
+from speedtronic_diloco.node.fragments import NodeFragments
 from speedtronic_diloco.node.state import NodeState
 from speedtronic_diloco.retry import RetryPolicy
 from speedtronic_diloco.transports.base import Transport
@@ -31,7 +31,7 @@ class NodeContext:
     transport: Transport
     retry: RetryPolicy
     state: NodeState
-    book: FragmentBook
+    fragments: NodeFragments
     codec: CodecSpec
     feedback: ErrorFeedback
     state_root: Path

@@ -2,7 +2,7 @@
 fragment files, only the files of the fragments it will install, each checked as
 :mod:`speedtronic_diloco.fragment_files` says; signed globals verified), keep a fetched global
 ready for the training thread, and install it: the fragments whose version advanced (with
-``install_at: boundary`` only the one syncing now; a book of one: the whole global, minus this
+``install_at: boundary`` only the one syncing now; one fragment: the whole global, minus this
 node's own progress not aggregated yet), re-baselining just what was installed."""
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class Installer:
         """Load the fragments of ``tensors`` this node installs now into ``model`` (training
         thread only) and re-baseline them; the others keep their weights and baselines. A
         global with fragments still to install waits in :attr:`ready` for their boundaries."""
-        ctx, book = self.ctx, self.ctx.book
+        ctx, book = self.ctx, self.ctx.fragments
         outer = self._outer()
         if outer is not None:
             info = outer.keeper.fragment_info_at(outer_step)
@@ -85,15 +85,15 @@ class Installer:
         # (a global fetched as fragment files holds only the fragments it needed)
         plan = tuple(
             j
-            for j in book.plan(info, due if boundary_only else None)
-            if all(name in tensors for name in book.names([j]) or ())
+            for j in book.to_install(info, due if boundary_only else None)
+            if all(name in tensors for name in book.plan.names([j]) or ())
         )
         if not plan:
             with ctx.lock:
                 if book.pending(info) and (self.ready is None or self.ready[0] < outer_step):
                     self.ready = (outer_step, tensors)
             return False
-        chosen = book.names(plan)
+        chosen = book.plan.names(plan)
         subset = {k: v for k, v in tensors.items() if chosen is None or k in chosen}
         subset.update({k: v for k, v in tensors.items() if not is_floating(v)})
         install_state(model, self._with_own_progress(outer_step, subset))
@@ -109,10 +109,11 @@ class Installer:
             elif self.ready is None or self.ready[0] < outer_step:
                 self.ready = (outer_step, tensors)
             ref = state.pending
-            if ref is not None and set(ref.get("fragments", book.everything())) & set(plan):
+            if ref is not None and set(ref.get("fragments", book.plan.everything())) & set(plan):
                 state.pending = None  # that upload no longer moves its baseline
         log.info("installed %s outer step %d", book.describe(plan), outer_step)
-        payload = {"step": state.local_step, "outer_step": outer_step, **book.fragment_field(plan)}
+        payload = {"step": state.local_step, "outer_step": outer_step}
+        payload.update(book.plan.fragment_field(plan))
         ctx.queue_event("global_loaded", {**payload, **self._received_bytes(outer_step)})
         return True
 
@@ -236,13 +237,14 @@ class Installer:
 
     def _fetch_fragment_files(self, metadata: GlobalMetadata, complete: bool) -> TensorDict | None:
         """The tensors of the fragment files this node needs from a global published as
-        fragment files (see :meth:`FragmentBook.files_wanted`). None (logged,
+        fragment files (see
+        :meth:`~speedtronic_diloco.node.fragments.NodeFragments.files_wanted`). None (logged,
         ``global_refused`` emitted once per file) when a file is refused or not fetched."""
         if (metadata.model_file, metadata.sha256) in self._refused:
             return None
         baseline = self.ctx.state.baseline
         try:
-            layout = self.ctx.book.file_layout(baseline, len(metadata.fragment_files))
+            layout = self.ctx.fragments.file_layout(baseline, len(metadata.fragment_files))
         except SpeedtronicError as exc:
             return self._refuse(metadata, FragmentFileError(f"{metadata.model_file}: {exc}"))
         try:
@@ -250,7 +252,7 @@ class Installer:
         except FragmentFileError as exc:
             return self._refuse(metadata, exc)
         tensors: TensorDict = {}
-        for j in self.ctx.book.files_wanted(versions, layout, complete):
+        for j in self.ctx.fragments.files_wanted(versions, layout, complete):
             part = self._fetch_fragment_file(metadata, layout, j)
             if part is None:
                 return None

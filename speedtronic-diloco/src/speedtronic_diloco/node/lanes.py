@@ -125,7 +125,7 @@ class Uploads:
         }
         if job.final:
             metadata["final"] = "1"
-        metadata.update(ctx.book.delta_metadata(job.fragments))
+        metadata.update(ctx.fragments.delta_metadata(job.fragments))
         encoded: EncodedDelta | None = None
         epoch = ctx.feedback_epoch
         try:
@@ -166,7 +166,7 @@ class Uploads:
             state = ctx.state
             state.last_uploaded_step = step
             if job.generation == state.generation:
-                state.baseline = ctx.book.advanced(state.baseline, job.target, job)
+                state.baseline = ctx.fragments.advanced(state.baseline, job.target, job)
             if encoded is not None and epoch == ctx.feedback_epoch:
                 ctx.feedback.commit(encoded)  # the residual this upload leaves
             self.bytes_sent += size
@@ -184,5 +184,5 @@ class Uploads:
         metrics: dict[str, Any] = {"bytes_sent": size, "codec": self.ctx.codec.codec}
         if encoded is not None:
             metrics["compression_error"] = round(encoded.error, 6)
-        metrics.update(self.ctx.book.fragment_field(job.fragments))
+        metrics.update(self.ctx.fragments.plan.fragment_field(job.fragments))
         return metrics

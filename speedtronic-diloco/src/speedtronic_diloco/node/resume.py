@@ -64,7 +64,7 @@ def restore_node_state(ctx: NodeContext, saved: NodeState, *, started: bool) -> 
             if saved.pending is not None:
                 live.pending = saved.pending
             ctx.feedback.load_state_dict(saved.error_feedback)
-            ctx.book.load_state_dict(saved.fragments)
+            ctx.fragments.load_state_dict(saved.fragments)
 
 
 class PendingUpload:
@@ -144,7 +144,7 @@ class PendingUpload:
                 return
             # Compressed (the residual is kept: baseline minus what was received is exact) or
             # one fragment (the weights would move the others' baselines): subtract.
-            exact = not ctx.codec.compressed and ctx.book.exact_target()
+            exact = not ctx.codec.compressed and ctx.fragments.exact_target()
             if state.local_step == step and exact:  # the checkpointed weights are its target
                 state.baseline = cpu_state_dict(model.state_dict())
             else:
