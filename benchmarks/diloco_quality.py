@@ -100,7 +100,14 @@ from diloco_processes import (
     wait_all,
 )
 from diloco_report import report
-from diloco_timing import loss_points, time_to_loss, timeout_rounds, timeout_share, wait_totals
+from diloco_timing import (
+    loss_points,
+    steps_to_loss,
+    time_to_loss,
+    timeout_rounds,
+    timeout_share,
+    wait_totals,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = REPO / "configs" / "diloco.yaml"
@@ -457,17 +464,6 @@ def timing_figures(
         "time_to_one_node_ratio": reached / one_wall if reached is not None and one_wall else None,
         "waits": waits,
         "timeout_wait_share": max(shares) if shares else None,
-    }
-
-
-def steps_to_loss(rows: list[dict[str, Any]], one: float | None, steps: int) -> dict[str, Any]:
-    """The node step of the first global that scored at most one node's final loss ``one``,
-    and that step over ``steps``: the time ratio where every node has a machine of its own
-    (on one shared machine the nodes also share its cores, which the wall ratio includes)."""
-    step = next((r["node_step"] for r in rows if one is not None and r["global_loss"] <= one), None)
-    return {
-        "steps_to_one_node": step,
-        "steps_to_one_node_ratio": step / steps if step is not None and steps else None,
     }
 
 

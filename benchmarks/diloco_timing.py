@@ -2,7 +2,8 @@
 JSON object per event, ``{"event", "time", ...}``, ``time`` being the writer's ``time.time()``).
 
 - :func:`time_to_loss`: seconds from the run's start until the global's held-out loss (the
-  master's ``outer_eval`` events) first reached a target, e.g. one node's final loss.
+  master's ``outer_eval`` events) first reached a target, e.g. one node's final loss;
+  :func:`steps_to_loss`: the same in node steps, from the benchmark's per-round rows.
 - :func:`wait_totals` / :func:`timeout_share`: the time a node spent waiting at its round
   boundaries (``rounds: sync``). ``round_waited`` events are waits that ended with a global,
   ``round_wait_timeout`` events waits the node itself gave up (2 x ``round_timeout``); both
@@ -20,7 +21,14 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from typing import Any
 
-__all__ = ["loss_points", "time_to_loss", "timeout_rounds", "timeout_share", "wait_totals"]
+__all__ = [
+    "loss_points",
+    "steps_to_loss",
+    "time_to_loss",
+    "timeout_rounds",
+    "timeout_share",
+    "wait_totals",
+]
 
 
 def loss_points(master_events: Iterable[dict[str, Any]]) -> list[tuple[float, float]]:
@@ -39,6 +47,17 @@ def time_to_loss(
     ``target``; None when no point reaches it. Points need not be sorted by time."""
     reached = [when for when, loss in points if loss <= target]
     return max(0.0, min(reached) - start) if reached else None
+
+
+def steps_to_loss(rows: list[dict[str, Any]], one: float | None, steps: int) -> dict[str, Any]:
+    """The node step of the first global that scored at most one node's final loss ``one``,
+    and that step over ``steps``: the time ratio where every node has a machine of its own
+    (on one shared machine the nodes also share its cores, which the wall ratio includes)."""
+    step = next((r["node_step"] for r in rows if one is not None and r["global_loss"] <= one), None)
+    return {
+        "steps_to_one_node": step,
+        "steps_to_one_node_ratio": step / steps if step is not None and steps else None,
+    }
 
 
 def timeout_rounds(master_events: Iterable[dict[str, Any]]) -> set[int]:

@@ -132,7 +132,7 @@ def test_matrix_cells_and_their_result_lines(capsys: pytest.CaptureFixture[str])
 
 
 def test_steps_to_one_node_is_the_first_global_at_or_below_its_loss() -> None:
-    steps_to_loss = benchmark_module("diloco_quality").steps_to_loss
+    steps_to_loss = benchmark_module("diloco_timing").steps_to_loss
     rows = [
         {"node_step": 25, "global_loss": 3.0},
         {"node_step": 50, "global_loss": 1.9},
