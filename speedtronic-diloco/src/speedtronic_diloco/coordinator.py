@@ -4,7 +4,9 @@
 (:mod:`~speedtronic_diloco.node.lanes`) sends it, and a newer global comes back through
 :mod:`~speedtronic_diloco.node.install`; :mod:`~speedtronic_diloco.node.resume` settles an
 upload a checkpoint recorded as outstanding, :mod:`~speedtronic_diloco.node.state` is the
-node's state and its one codec.
+node's state and its one codec. The rooms change none of it themselves: each returns a decision
+(:mod:`~speedtronic_diloco.node.decisions`) that the coordinator applies under the node's lock
+(:meth:`DumbDiLoCoCoordinator.settle`), also for the upload lane's thread.
 
 Every ``inner_steps`` optimizer steps the node uploads its pseudo-gradient (baseline minus
 current weights) and polls for newer global weights; between boundaries it polls every
@@ -61,13 +63,15 @@ from speedtronic_diloco.fragments import FragmentLayout, FragmentPlan, FragmentS
 from speedtronic_diloco.identity import resolve_node_id
 from speedtronic_diloco.lease import LeaseHeldError, LeaseKeeper
 from speedtronic_diloco.master.loop import MasterOuterLoop
-from speedtronic_diloco.node.boundary import OwnProgress, cut
+from speedtronic_diloco.node.boundary import cut
 from speedtronic_diloco.node.context import NodeContext
+from speedtronic_diloco.node.decisions import Decision, Dispatched, NotSent, Stepped, apply
+from speedtronic_diloco.node.deltas import OwnProgress
 from speedtronic_diloco.node.failover import Failover
 from speedtronic_diloco.node.finished import FinishedWatch, finished_interval
 from speedtronic_diloco.node.fragments import NodeFragments
 from speedtronic_diloco.node.install import Installer
-from speedtronic_diloco.node.lanes import Lane, Uploads, clear_pending
+from speedtronic_diloco.node.lanes import Lane, Uploads
 from speedtronic_diloco.node.resume import PendingUpload, restore_node_state
 from speedtronic_diloco.node.rounds import await_round, join_run
 from speedtronic_diloco.node.state import NodeState, from_checkpoint, to_checkpoint
@@ -153,14 +157,13 @@ class DumbDiLoCoCoordinator:
         # is missing from it (a node dropped from a round takes the newest global as it is).
         self.round_mode = round_mode(self.config.rounds)
         keep = self.config.keep_own_progress and self.round_mode.keeps_own_progress
-        own = OwnProgress(
+        self._own = OwnProgress(
             self.ctx.fragments.own_progress(keep and self.config.install_at == "boundary"),
             self.config.own_progress_scale or min(self.config.outer_lr, 1.0),
         )
-        self.uploads = Uploads(self.ctx, own)
-        self.installer = Installer(self.ctx, own, lambda: self.outer)
+        self.uploads = Uploads(self.ctx, self.settle)
+        self.installer = Installer(self.ctx, self._own, lambda: self.outer, self.settle)
         self.pending = PendingUpload(self.ctx)
-        self._own = own
         self._evaluate = evaluate
         self._last_poll = -math.inf
         self._prepared = False
@@ -237,7 +240,7 @@ class DumbDiLoCoCoordinator:
         if not (self.role == "master" and self._start_master()):
             self._start_worker()
         if self._prepared and self.ctx.state.pending is not None:
-            self.pending.resolve(self.model)
+            self.settle(self.pending.resolve(self.model))
         if self.config.async_delta_upload:
             self._upload_lane = Lane(f"diloco-upload-{self.node_id}")
         if self.config.async_global_poll and self.outer is None:
@@ -354,13 +357,13 @@ class DumbDiLoCoCoordinator:
                 "was built with"
             )
         if self.finished.alone:
-            self.ctx.state.local_step = step
+            self.settle(Stepped(step))
             return False
         if self.failover is not None:  # may take over, or be fenced and go on as a worker
             self.outer = self.failover.step(self.outer)
         elif self.outer is not None:
             self.outer.raise_if_failed()  # a dead outer thread stops the run, loudly
-        self.ctx.state.local_step = step
+        self.settle(Stepped(step))
         pushed = loaded = False
         # One fragment: (0,) when step % inner_steps == 0.
         self._due = self.ctx.fragments.plan.due(step)
@@ -403,16 +406,16 @@ class DumbDiLoCoCoordinator:
             self.ctx.queue_event("delta_upload_skipped", {"step": step})
             return False
         if self.pending.unresolved:
-            self.pending.resolve(self.model)
-        job = cut(self.ctx, self.model, step, self._due, final)
-        if job is None:
+            self.settle(self.pending.resolve(self.model))
+        decision = cut(self.ctx, self.model, step, self._due, final)
+        self.settle(decision)
+        if not isinstance(decision, Dispatched):
             return False
-        with self.ctx.lock:
-            self._own.remember(job)
+        job = decision.job
         if lane is None:
             return self.uploads.upload(job)
         if not lane.submit(lambda: self.uploads.upload(job)):
-            clear_pending(self.ctx, job)
+            self.settle(NotSent(job.upload_id))
             self.ctx.queue_event("delta_upload_skipped", {"step": step})
             return False
         return True
@@ -437,6 +440,14 @@ class DumbDiLoCoCoordinator:
         )
 
     # ----------------------------------------------------------------- state
+    def settle(self, decision: Decision | None) -> bool:
+        """Apply a room's decision (None: nothing to apply) under the node's lock: the one
+        way the node's state changes (:func:`~speedtronic_diloco.node.decisions.apply`)."""
+        if decision is None:
+            return False
+        with self.ctx.lock:
+            return apply(decision, self.ctx, self._own, self.installer)
+
     def state_dict(self) -> dict[str, Any]:
         """Counters, baseline and (master) outer state, for trainer checkpoints."""
         ctx = self.ctx
@@ -457,7 +468,7 @@ class DumbDiLoCoCoordinator:
 
         Raises SpeedtronicError when the state was saved by another node id or role."""
         saved = from_checkpoint(state, self.ctx.state)
-        restore_node_state(self.ctx, saved, started=self._started)
+        self.settle(restore_node_state(self.ctx, saved, started=self._started))
         if saved.outer:
             if self.outer is not None:
                 self.outer.load_state_dict(saved.outer)

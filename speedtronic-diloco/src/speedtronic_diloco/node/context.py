@@ -24,7 +24,8 @@ log = logging.getLogger("speedtronic.diloco")
 
 @dataclass
 class NodeContext:
-    """A node's shared parts. ``state`` and ``feedback`` change under ``lock`` only."""
+    """A node's shared parts. ``state`` and ``feedback`` change under ``lock`` only, in the
+    applier of the rooms' decisions (:func:`~speedtronic_diloco.node.decisions.apply`)."""
 
     config: DistributedConfig
     node_id: str

@@ -3,7 +3,11 @@ fragment files, only the files of the fragments it will install, each checked as
 :mod:`speedtronic_diloco.fragment_files` says; signed globals verified), keep a fetched global
 ready for the training thread, and install it: the fragments whose version advanced (with
 ``install_at: boundary`` only the one syncing now; one fragment: the whole global, minus this
-node's own progress not aggregated yet), re-baselining just what was installed."""
+node's own progress not aggregated yet), re-baselining just what was installed. Installing
+loads the model (the training thread's) and hands the coordinator's applier (``settle``) the
+decision: :class:`~speedtronic_diloco.node.decisions.Installed`, or
+:class:`~speedtronic_diloco.node.decisions.Deferred` when nothing of that global installs
+now."""
 
 from __future__ import annotations
 
@@ -30,8 +34,9 @@ from speedtronic_diloco.global_check import (
     checked_global,
     weights_norm,
 )
-from speedtronic_diloco.node.boundary import OwnProgress
 from speedtronic_diloco.node.context import NodeContext
+from speedtronic_diloco.node.decisions import Decision, Deferred, Installed
+from speedtronic_diloco.node.deltas import OwnProgress
 from speedtronic_diloco.signing import SignatureError, read_header, verify_file
 from speedtronic_diloco.tensors import TensorDict, cpu_state_dict, install_state, is_floating
 from speedtronic_diloco.transports.base import GlobalMetadata
@@ -43,12 +48,20 @@ log = logging.getLogger("speedtronic.diloco")
 
 class Installer:
     """Fetches and installs globals for one node (see the module docstring). ``outer``
-    returns the master's outer loop (None on a worker)."""
+    returns the master's outer loop (None on a worker); ``settle`` applies a decision under
+    the node's lock (the coordinator's applier)."""
 
-    def __init__(self, ctx: NodeContext, own: OwnProgress, outer: Callable[[], Any]) -> None:
+    def __init__(
+        self,
+        ctx: NodeContext,
+        own: OwnProgress,
+        outer: Callable[[], Any],
+        settle: Callable[[Decision], bool],
+    ) -> None:
         self.ctx = ctx
         self.own = own
         self._outer = outer
+        self._settle = settle
         self.globals = GlobalCache(ctx.cache_dir / "global", keep=ctx.config.cache_keep)
         #: A fetched global waiting for the training thread: ``(outer step, tensors)``.
         self.ready: tuple[int, TensorDict] | None = None
@@ -73,15 +86,35 @@ class Installer:
         self, model: nn.Module, outer_step: int, tensors: TensorDict, due: tuple[int, ...] = ()
     ) -> bool:
         """Load the fragments of ``tensors`` this node installs now into ``model`` (training
-        thread only) and re-baseline them; the others keep their weights and baselines. A
-        global with fragments still to install waits in :attr:`ready` for their boundaries."""
-        ctx, book = self.ctx, self.ctx.fragments
+        thread only) and re-baseline them (:meth:`load`, then the applier); the others keep
+        their weights and baselines. A global with fragments still to install waits in
+        :attr:`ready` for their boundaries."""
+        decision = self.load(model, outer_step, tensors, due)
+        self._settle(decision)
+        if not isinstance(decision, Installed):
+            return False
+        book = self.ctx.fragments
+        log.info("installed %s outer step %d", book.describe(decision.fragments), outer_step)
+        payload = {"step": self.ctx.state.local_step, "outer_step": outer_step}
+        payload.update(book.plan.fragment_field(decision.fragments))
+        self.ctx.queue_event("global_loaded", {**payload, **self._received_bytes(outer_step)})
+        return True
+
+    def load(
+        self, model: nn.Module, outer_step: int, tensors: TensorDict, due: tuple[int, ...] = ()
+    ) -> Installed | Deferred:
+        """Load into ``model`` the fragments of global ``outer_step`` that install now (with
+        ``install_at: boundary``, of those ``due``; whole-model: minus this node's own progress
+        not aggregated yet) and say so (:class:`Installed`, with the weights now there);
+        :class:`Deferred` when none does. The node's state is left to the applier (only the
+        own-progress record moves here, under the lock: :meth:`OwnProgress.apply`)."""
+        book = self.ctx.fragments
         outer = self._outer()
         if outer is not None:
             info = outer.keeper.fragment_info_at(outer_step)
         else:
             info = self._global_info.get(outer_step)
-        boundary_only = ctx.config.install_at == "boundary" and due
+        boundary_only = self.ctx.config.install_at == "boundary" and due
         # (a global fetched as fragment files holds only the fragments it needed)
         plan = tuple(
             j
@@ -89,33 +122,14 @@ class Installer:
             if all(name in tensors for name in book.plan.names([j]) or ())
         )
         if not plan:
-            with ctx.lock:
-                if book.pending(info) and (self.ready is None or self.ready[0] < outer_step):
-                    self.ready = (outer_step, tensors)
-            return False
+            return Deferred(outer_step, tensors, info)
         chosen = book.plan.names(plan)
         subset = {k: v for k, v in tensors.items() if chosen is None or k in chosen}
         subset.update({k: v for k, v in tensors.items() if not is_floating(v)})
         install_state(model, self._with_own_progress(outer_step, subset))
         local = model.state_dict()
         now = cpu_state_dict({k: v for k, v in local.items() if chosen is None or k in subset})
-        with ctx.lock:
-            state = ctx.state
-            state.baseline = {**state.baseline, **now}
-            ctx.reset_residual(state.last_global_step, outer_step, chosen)
-            book.mark(plan, info)
-            if not book.pending(info):
-                state.last_global_step = max(state.last_global_step, outer_step)
-            elif self.ready is None or self.ready[0] < outer_step:
-                self.ready = (outer_step, tensors)
-            ref = state.pending
-            if ref is not None and set(ref.get("fragments", book.plan.everything())) & set(plan):
-                state.pending = None  # that upload no longer moves its baseline
-        log.info("installed %s outer step %d", book.describe(plan), outer_step)
-        payload = {"step": state.local_step, "outer_step": outer_step}
-        payload.update(book.plan.fragment_field(plan))
-        ctx.queue_event("global_loaded", {**payload, **self._received_bytes(outer_step)})
-        return True
+        return Installed(outer_step, tensors, plan, info, now, chosen)
 
     def _with_own_progress(self, outer_step: int, tensors: TensorDict) -> TensorDict:
         """``tensors`` minus this node's own deltas not aggregated into it (see

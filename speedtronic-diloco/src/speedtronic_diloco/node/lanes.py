@@ -2,10 +2,13 @@
 
 A :class:`Lane` is one daemon thread that runs at most one job at a time and refuses a new job
 while busy, so the training thread never waits behind slow store I/O (a node has an upload
-lane and, for a worker, a poll lane). :func:`upload` is the upload lane's job: write the delta
-(encoded with the error feedback's residual, signed), send it, and on success move the
-baseline to the uploaded snapshot, unless a global was installed since (the generation
-check). A failed upload leaves the baseline, so the next boundary sends the cumulative delta.
+lane and, for a worker, a poll lane). :meth:`Uploads.upload` is the upload lane's job:
+:meth:`Uploads.send` writes the delta (encoded with the error feedback's residual, signed),
+sends it and returns what came of it (:mod:`~speedtronic_diloco.node.decisions`): it
+:class:`Landed`, so the baseline moves to the uploaded snapshot unless a global was installed
+since (the generation check); it :class:`UploadFailed`, so the baseline stays and the next
+boundary sends the cumulative delta; or it was :class:`NotSent`. The coordinator's applier,
+handed in as ``settle``, puts that into effect.
 """
 
 from __future__ import annotations
@@ -17,12 +20,13 @@ from collections.abc import Callable
 from typing import Any
 
 from speedtronic_diloco.codecs import CodecError, EncodedDelta
-from speedtronic_diloco.node.boundary import OwnProgress, UploadJob
 from speedtronic_diloco.node.context import NodeContext
+from speedtronic_diloco.node.decisions import Decision, Landed, NotSent, UploadFailed
+from speedtronic_diloco.node.deltas import UploadJob
 from speedtronic_diloco.signing import sign_file
 from speedtronic_diloco.tensors import save_tensors
 
-__all__ = ["CUMULATIVE", "Lane", "Uploads", "clear_pending"]
+__all__ = ["CUMULATIVE", "Lane", "Uploads"]
 
 log = logging.getLogger("speedtronic.diloco")
 
@@ -88,25 +92,33 @@ class Lane:
                     self._cond.notify_all()
 
 
-def clear_pending(ctx: NodeContext, job: UploadJob) -> None:
-    """``job`` no longer moves the baseline: forget it as the outstanding upload."""
-    with ctx.lock:
-        pending = ctx.state.pending
-        if pending is not None and pending["upload_id"] == job.upload_id:
-            ctx.state.pending = None
-
-
 class Uploads:
-    """Sends a node's deltas (the upload lane's job) and keeps what the last ones did."""
+    """Sends a node's deltas (the upload lane's job) and keeps what the last ones did.
+    ``settle`` applies a decision under the node's lock (the coordinator's applier)."""
 
-    def __init__(self, ctx: NodeContext, own: OwnProgress) -> None:
+    def __init__(self, ctx: NodeContext, settle: Callable[[Decision], bool]) -> None:
         self.ctx = ctx
-        self.own = own
+        self._settle = settle
         self.final_sent: tuple[int, bool] | None = None  # (local step, landed)
         self.bytes_sent = 0
 
     def upload(self, job: UploadJob) -> bool:
-        """Write, sign and send ``job``; True when it landed (see the module docstring)."""
+        """Send ``job`` (:meth:`send`), apply what came of it; True when it landed."""
+        outcome = self.send(job)
+        self._settle(outcome)
+        if not isinstance(outcome, Landed):
+            return False
+        self.bytes_sent += outcome.size
+        payload: dict[str, Any] = {"step": job.local_step, "base_outer_step": job.base_outer_step}
+        payload.update(self._metrics(job, outcome.size, outcome.encoded))
+        if job.final:
+            payload["final"] = True
+        self.ctx.queue_event("delta_uploaded", payload)
+        return True
+
+    def send(self, job: UploadJob) -> Landed | UploadFailed | NotSent:
+        """Write, sign and send ``job``; what came of it (see the module docstring). Changes
+        no node state: only :attr:`final_sent`, and ``delta_upload_failed`` events."""
         ctx = self.ctx
         step = job.local_step
         what = f"uploading the delta of step {step}"
@@ -140,10 +152,9 @@ class Uploads:
         except (OSError, CodecError) as exc:  # the outbox (full disk...); a non-finite delta
             log.warning("%s failed (%s); %s", what, exc, CUMULATIVE)
             failed(exc)
-            clear_pending(ctx, job)
             if job.final:
                 self.final_sent = (step, False)
-            return False
+            return NotSent(job.upload_id)
         try:
             sent, _ = ctx.retry.attempt(
                 what,
@@ -158,26 +169,8 @@ class Uploads:
         if job.final:
             self.final_sent = (step, bool(sent))
         if not sent:
-            clear_pending(ctx, job)
-            with ctx.lock:
-                ctx.state.baseline = self.own.unmerge_failed(job, ctx.state.baseline)
-            return False
-        with ctx.lock:
-            state = ctx.state
-            state.last_uploaded_step = step
-            if job.generation == state.generation:
-                state.baseline = ctx.fragments.advanced(state.baseline, job.target, job)
-            if encoded is not None and epoch == ctx.feedback_epoch:
-                ctx.feedback.commit(encoded)  # the residual this upload leaves
-            self.bytes_sent += size
-            if state.pending is not None and state.pending["upload_id"] == job.upload_id:
-                state.pending = None
-        payload: dict[str, Any] = {"step": step, "base_outer_step": job.base_outer_step}
-        payload.update(self._metrics(job, size, encoded))
-        if job.final:
-            payload["final"] = True
-        ctx.queue_event("delta_uploaded", payload)
-        return True
+            return UploadFailed(job)
+        return Landed(job, encoded, epoch, size)
 
     def _metrics(self, job: UploadJob, size: int, encoded: EncodedDelta | None) -> dict[str, Any]:
         """The ``delta_uploaded`` payload's byte and codec fields."""

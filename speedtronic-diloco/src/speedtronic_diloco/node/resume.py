@@ -4,7 +4,11 @@ resumed node asks the store whether that delta arrived: if it did, the baseline 
 its target (the checkpointed weights at that step, or baseline minus the stored delta); if
 not, it asks once more at the next boundary, right before sending (an upload whose request
 left just before the crash may land late), and if it is still not there the baseline stays
-and that boundary sends the progress again, cumulatively."""
+and that boundary sends the progress again, cumulatively.
+
+Both functions here return decisions (:mod:`~speedtronic_diloco.node.decisions`) for the
+coordinator to apply: :class:`Restored` for a checkpoint's node state, :class:`Resolved` for
+an outstanding upload that is settled."""
 
 from __future__ import annotations
 
@@ -18,25 +22,20 @@ from torch import nn
 from speedtronic.errors import SpeedtronicError
 from speedtronic_diloco.codecs import CodecError, decode_delta
 from speedtronic_diloco.node.context import NodeContext
+from speedtronic_diloco.node.decisions import Resolved, Restored
 from speedtronic_diloco.node.state import NodeState
-from speedtronic_diloco.tensors import (
-    TensorDict,
-    TensorFileError,
-    combine,
-    cpu_state_dict,
-    load_tensors,
-)
+from speedtronic_diloco.tensors import TensorDict, TensorFileError, cpu_state_dict, load_tensors
 
 __all__ = ["PendingUpload", "restore_node_state"]
 
 log = logging.getLogger("speedtronic.diloco")
 
 
-def restore_node_state(ctx: NodeContext, saved: NodeState, *, started: bool) -> None:
-    """Take a checkpoint's node state (``saved``) into ``ctx``: its counters, and its baseline
-    (with the pending upload, error feedback and fragment schedule) unless this node already
-    installed a newer global (``started``). Raises SpeedtronicError when the state was saved by
-    another node id or role."""
+def restore_node_state(ctx: NodeContext, saved: NodeState, *, started: bool) -> Restored:
+    """Take a checkpoint's node state (``saved``) into ``ctx``, as a decision: its counters,
+    and its baseline (with the pending upload, error feedback and fragment schedule) unless
+    this node already installed a newer global (``started``; the applier compares). Raises
+    SpeedtronicError when the state was saved by another node id or role."""
     if (saved.node_id and saved.node_id != ctx.node_id) or (
         saved.role and saved.role != ctx.state.role
     ):
@@ -46,25 +45,7 @@ def restore_node_state(ctx: NodeContext, saved: NodeState, *, started: bool) -> 
             "distributed.role and distributed.node_id, or start a fresh run (a new "
             "run.output_dir) to join as this node"
         )
-    with ctx.lock:
-        live = ctx.state
-        live.local_step = saved.local_step
-        live.last_uploaded_step = saved.last_uploaded_step
-        if started and saved.last_global_step < live.last_global_step:
-            log.info(
-                "checkpointed baseline (outer step %d) is older than the installed "
-                "global (outer step %d); keeping the newer one",
-                saved.last_global_step,
-                live.last_global_step,
-            )
-        elif saved.baseline:
-            live.baseline = saved.baseline
-            live.generation += 1
-            live.last_global_step = saved.last_global_step
-            if saved.pending is not None:
-                live.pending = saved.pending
-            ctx.feedback.load_state_dict(saved.error_feedback)
-            ctx.fragments.load_state_dict(saved.fragments)
+    return Restored(saved, started)
 
 
 class PendingUpload:
@@ -75,18 +56,19 @@ class PendingUpload:
         self.unresolved = False  # a resume could not ask the store yet
         self._asks = 0  # how often the store said "not there"
 
-    def resolve(self, model: nn.Module) -> None:
+    def resolve(self, model: nn.Module) -> Resolved | None:
         """Did the upload the checkpoint recorded as outstanding arrive? Yes: move the
         baseline to its target. No: ask once more at the next boundary (a late commit may
         still land), then keep the baseline (the next delta includes that progress). Unknown
-        (store unreachable): ask again at the next boundary."""
+        (store unreachable): ask again at the next boundary. The :class:`Resolved` decision
+        once it is settled, None while it is not (or nothing is outstanding)."""
         ctx = self.ctx
         with ctx.lock:
             ref = ctx.state.pending
         if ref is None:
             self.unresolved = False
             self._asks = 0
-            return
+            return None
         step, upload_id = int(ref["local_step"]), str(ref["upload_id"])
         read, listing = ctx.retry.attempt(
             f"checking whether the delta of step {step} arrived",
@@ -96,7 +78,7 @@ class PendingUpload:
         )
         if not read or listing is None:
             self.unresolved = True
-            return
+            return None
         info = next((i for i in listing if i.key == (ctx.node_id, step)), None)
         stored: TensorDict | None = None
         if info is not None:
@@ -110,7 +92,7 @@ class PendingUpload:
                 )
                 if not done:
                     self.unresolved = True
-                    return
+                    return None
                 try:
                     tensors, metadata = load_tensors(dest)
                 except TensorFileError:
@@ -129,30 +111,24 @@ class PendingUpload:
                 "asking once more at the next boundary before sending that progress again",
                 step,
             )
-            return
+            return None
         self.unresolved = False
         self._asks = 0
-        with ctx.lock:
-            state = ctx.state
-            state.pending = None
-            if stored is None:
-                log.info(
-                    "the delta of step %d (in flight at the checkpoint) did not arrive; the next "
-                    "boundary sends that progress again (cumulative)",
-                    step,
-                )
-                return
-            # Compressed (the residual is kept: baseline minus what was received is exact) or
-            # one fragment (the weights would move the others' baselines): subtract.
-            exact = not ctx.codec.compressed and ctx.fragments.exact_target()
-            if state.local_step == step and exact:  # the checkpointed weights are its target
-                state.baseline = cpu_state_dict(model.state_dict())
-            else:
-                state.baseline = combine(state.baseline, stored, sign=-1)
-            state.generation += 1
-            state.last_uploaded_step = step
+        if stored is None:
+            log.info(
+                "the delta of step %d (in flight at the checkpoint) did not arrive; the next "
+                "boundary sends that progress again (cumulative)",
+                step,
+            )
+            return Resolved(step, None)
         log.info(
             "the delta of step %d (in flight at the checkpoint) arrived; measuring from its "
             "target, so it is not sent twice",
             step,
         )
+        # Compressed (the residual is kept: baseline minus what was received is exact) or
+        # one fragment (the weights would move the others' baselines): the applier subtracts.
+        exact = not ctx.codec.compressed and ctx.fragments.exact_target()
+        if exact and ctx.state.local_step == step:  # the checkpointed weights are its target
+            return Resolved(step, stored, cpu_state_dict(model.state_dict()))
+        return Resolved(step, stored)

@@ -1,7 +1,8 @@
 """A node's state (:class:`NodeState`) and its one codec, the ``diloco`` entry of a trainer
 checkpoint.
 
-The live state is held under the node's lock and shared by its rooms: the optimizer step,
+The live state is held under the node's lock and read by its rooms (only the applier of their
+decisions, :func:`~speedtronic_diloco.node.decisions.apply`, writes it): the optimizer step,
 the installed global's outer step, the baseline the next delta is measured from (and its
 generation: +1 whenever it is replaced, so an upload measured from an older one does not move
 it), and the dispatched upload whose effect on the baseline is outstanding. A checkpoint adds
