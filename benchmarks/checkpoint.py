@@ -47,8 +47,8 @@ from results import emit
 
 from speedtronic.checkpoint import CheckpointManager
 from speedtronic.checkpoint.fileio import atomic_write_with
-from speedtronic.runtime import build_runtime
-from speedtronic.trainer import Trainer
+from speedtronic.engine.runtime import build_runtime
+from speedtronic.engine.trainer import Trainer
 
 MODELS = {
     True: {"vocab_size": 8192, "max_seq_len": 256, "n_layer": 4, "n_head": 4, "n_kv_head": 2,

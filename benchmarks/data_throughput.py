@@ -183,7 +183,7 @@ def loader_tokens_per_s(shards: Path, micro: int, seq: int, workers: int, batche
 
 def model_tokens_per_s(name: str, steps: int, micro: int | None, work: Path) -> dict[str, Any]:
     """Training tokens/s of a configs/ model on this CPU, after two warmup steps."""
-    from speedtronic.runtime import build_runtime
+    from speedtronic.engine.runtime import build_runtime
 
     config = model_config(name)
     config["run"].update(device="cpu", max_steps=steps + 2, output_dir=str(work / name))

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from results import emit
 
-from speedtronic.eval import Evaluator
-from speedtronic.runtime import build_runtime
+from speedtronic.engine.eval import Evaluator
+from speedtronic.engine.runtime import build_runtime
 
 REFERENCE = dict(
     name="reference_transformer",

@@ -2,7 +2,8 @@
 
 For 1, 2 and 4 ranks this starts that many real processes (gloo, on the CPU), builds the
 reference transformer of a few hundred million parameters **on the meta device** (no memory is
-allocated) and applies Speedtronic's real FSDP sharding to it (``speedtronic.fsdp.shard_model``:
+allocated) and applies Speedtronic's real FSDP sharding to it
+(``speedtronic.parallel.fsdp.shard_model``:
 ``fully_shard`` per transformer block, then the root). What each rank holds is then read off
 the model itself:
 
@@ -63,7 +64,7 @@ def _measure(rank: int, world: int, port: int, params: dict[str, Any], args: Any
     import torch.distributed as dist
 
     from speedtronic import SpeedtronicConfig
-    from speedtronic.fsdp import shard_model
+    from speedtronic.parallel.fsdp import shard_model
     from speedtronic_models import ReferenceTransformer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -102,7 +103,7 @@ def _train_on_cuda(rank: int, world: int, params: dict[str, Any], args: Any, dev
     from torch.nn.parallel import DistributedDataParallel
 
     from speedtronic import SpeedtronicConfig
-    from speedtronic.fsdp import shard_model
+    from speedtronic.parallel.fsdp import shard_model
     from speedtronic_models import ReferenceTransformer
 
     section = SpeedtronicConfig.from_dict({"parallel": {"strategy": "fsdp"}}).parallel.fsdp

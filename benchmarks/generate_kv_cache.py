@@ -19,7 +19,7 @@ import time
 import torch
 from results import emit, spread
 
-from speedtronic.generation import SamplingOptions, generate_tokens
+from speedtronic.inference.generation import SamplingOptions, generate_tokens
 from speedtronic_models import ReferenceTransformer
 
 

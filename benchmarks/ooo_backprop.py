@@ -40,7 +40,7 @@ import torch
 from results import emit
 
 from speedtronic import SpeedtronicConfig
-from speedtronic.runtime import build_runtime
+from speedtronic.engine.runtime import build_runtime
 
 # A CPU-sized reference transformer (about 0.1 s per optimizer step on one thread), with two
 # micro-batches per step so that the per-micro-batch flush and the final drain both run.
@@ -139,7 +139,7 @@ def fixed_cost(device: torch.device, layers: int = 16, reps: int = 300) -> dict[
 
     from torch import nn
 
-    from speedtronic.ooo_backprop import OOOBackprop
+    from speedtronic.engine.ooo_backprop import OOOBackprop
 
     torch.manual_seed(0)
     plain = nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)]).to(device)

@@ -34,7 +34,7 @@ import torch
 from results import emit
 
 from speedtronic.config import SpeedtronicConfig
-from speedtronic.runtime import build_runtime
+from speedtronic.engine.runtime import build_runtime
 
 REPO = Path(__file__).resolve().parent.parent
 VARIANTS: dict[str, list[str]] = {

@@ -49,11 +49,11 @@ from results import emit
 from torch import nn
 
 from speedtronic import SpeedtronicConfig
-from speedtronic import flops as flops_module
-from speedtronic import trainer as trainer_module
 from speedtronic.data import SyntheticTokenStream
+from speedtronic.engine import trainer as trainer_module
+from speedtronic.engine.runtime import build_runtime
+from speedtronic.observe import flops as flops_module
 from speedtronic.optim import decay_groups, lr_lambda
-from speedtronic.runtime import build_runtime
 from speedtronic_models import ReferenceTransformer
 
 # A CPU-sized reference transformer: about 45 ms per optimizer step on one thread.

@@ -32,8 +32,8 @@ import torch
 from results import emit
 
 from speedtronic import SpeedtronicConfig
-from speedtronic.runtime import build_runtime
-from speedtronic.step_estimate import estimate_run_step
+from speedtronic.engine.runtime import build_runtime
+from speedtronic.observe.step_estimate import estimate_run_step
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -36,8 +36,8 @@ def rank_main(rank: int, world: int, port: int, rounds: int, queue: object) -> N
     )
     from torch.nn.parallel import DistributedDataParallel
 
+    from speedtronic.engine.stopping import StopRequest
     from speedtronic.parallel import ParallelContext
-    from speedtronic.stopping import StopRequest
     from speedtronic_models import ReferenceTransformer
 
     with open(os.path.join(ROOT, "configs", "smoke.yaml")) as handle:

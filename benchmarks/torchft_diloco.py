@@ -105,10 +105,10 @@ def replica(
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroupGloo
 
-    from speedtronic.batch import call_model, loss_of
     from speedtronic.config import SpeedtronicConfig
     from speedtronic.data import build_dataloader
-    from speedtronic.runtime import build_runtime
+    from speedtronic.engine.batch import call_model, loss_of
+    from speedtronic.engine.runtime import build_runtime
     from speedtronic_diloco.identity import node_data_seed
 
     torch.set_num_threads(args.threads)

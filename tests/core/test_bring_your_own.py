@@ -18,9 +18,9 @@ from torch.utils.data import Dataset
 
 from speedtronic import SpeedtronicConfig, cli, hookimpl, plugins
 from speedtronic.data import build_dataloader
+from speedtronic.engine.runtime import build_runtime, train_from_config
 from speedtronic.errors import ConfigError, DataError
 from speedtronic.registry import register_model, unregister_model
-from speedtronic.runtime import build_runtime, train_from_config
 
 NAME = "core_byo_no_limits"
 

@@ -12,8 +12,8 @@ from core.toy_runs import EventRecorder, tiny_transformer_run, train
 import speedtronic.checkpoint.manager as manager_module
 import speedtronic.checkpoint.storage as storage_module
 from speedtronic.checkpoint import CheckpointManager, SavePolicy
+from speedtronic.engine.runtime import build_runtime
 from speedtronic.errors import CheckpointError
-from speedtronic.runtime import build_runtime
 
 
 class Clock:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from speedtronic.cpu_load import busy_elsewhere, own_runnable_threads, runnable_tasks
+from speedtronic.observe.cpu_load import busy_elsewhere, own_runnable_threads, runnable_tasks
 
 
 def test_the_run_queue_is_the_fourth_field_of_loadavg() -> None:

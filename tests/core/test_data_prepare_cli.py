@@ -14,7 +14,7 @@ import yaml
 
 from speedtronic import SpeedtronicConfig, cli
 from speedtronic.data import read_index
-from speedtronic.runtime import build_runtime
+from speedtronic.engine.runtime import build_runtime
 
 ROOT = Path(__file__).parents[2]
 

@@ -19,9 +19,9 @@ from core.toy_runs import merge_sections, tiny_transformer_run, train
 
 from speedtronic import SpeedtronicConfig
 from speedtronic.checkpoint import CheckpointManager
+from speedtronic.engine.eval import EvalResult, eval_seed, spread_windows
+from speedtronic.engine.runtime import build_runtime
 from speedtronic.errors import CheckpointError, ConfigError
-from speedtronic.eval import EvalResult, eval_seed, spread_windows
-from speedtronic.runtime import build_runtime
 
 EVAL_CLI = (sys.executable, "-m", "speedtronic", "eval", "-c")
 
@@ -117,10 +117,10 @@ def test_keep_best_keeps_the_lowest_eval_loss_checkpoint_past_retention(tmp_path
         )
     )
     from speedtronic.data import build_dataloader
-    from speedtronic.metrics import MetricLogger
-    from speedtronic.parts import build_parts
+    from speedtronic.engine.parts import build_parts
+    from speedtronic.engine.trainer import Trainer
+    from speedtronic.observe.metrics import MetricLogger
     from speedtronic.registry import build_model_from_hook
-    from speedtronic.trainer import Trainer
 
     model = build_model_from_hook(config.model.name, **config.model.params)
     data = build_dataloader(config, seq_len=16, vocab_size=256)

@@ -131,7 +131,7 @@ def test_an_unknown_model_says_how_to_register_one() -> None:
 
 
 def test_a_model_named_by_import_path_needs_no_plugin(tmp_path: Path) -> None:
-    from speedtronic.runtime import train_from_config
+    from speedtronic.engine.runtime import train_from_config
 
     config = {
         "run": {"device": "cpu", "max_steps": 2, "output_dir": str(tmp_path)},
@@ -157,8 +157,8 @@ def test_the_missing_plugin_hint_works_from_a_source_checkout(
 def test_a_failed_run_still_reports_its_last_loss(tmp_path: Path) -> None:
     from core.toy_runs import tiny_transformer_run
 
+    from speedtronic.engine.runtime import build_runtime
     from speedtronic.errors import SpeedtronicError
-    from speedtronic.runtime import build_runtime
 
     class FailsAtThree:
         @hookimpl
@@ -201,7 +201,7 @@ def test_an_unknown_key_in_any_section_gets_a_suggestion(
 
 
 def test_model_parameters_use_the_same_suggestions(tmp_path: Path) -> None:
-    from speedtronic.runtime import check_runtime
+    from speedtronic.engine.runtime import check_runtime
 
     run = {"device": "cpu", "output_dir": str(tmp_path)}
     with pytest.raises(ConfigError, match=r"^model\.n_layers: unknown key; did you mean 'n_layer'"):

@@ -13,7 +13,7 @@ from core.toy_runs import EventRecorder, tiny_transformer_run, toy_trainer, trai
 from torch import nn
 
 from speedtronic import SpeedtronicConfig, flops
-from speedtronic.flops import (
+from speedtronic.observe.flops import (
     FlopsReport,
     count_flops_per_token,
     device_peak_tflops,
@@ -171,7 +171,7 @@ def test_no_peak_is_guessed_off_cuda() -> None:
 
 
 def test_the_progress_bars_line_shows_tflops_and_mfu() -> None:
-    from speedtronic.metrics import live_line
+    from speedtronic.observe.metrics import live_line
 
     line = live_line({"loss": 2.0, "tokens_per_sec": 1000.0, "tflops": 312.5, "mfu": 0.4567})
     assert line == "loss 2.0000  tok/s 1,000  TFLOP/s 312  MFU 45.7%"

@@ -19,7 +19,7 @@ from toy_runs import EventRecorder, tiny_transformer_run, train
 
 from speedtronic import ConfigError, SpeedtronicConfig
 from speedtronic.checkpoint import CheckpointManager
-from speedtronic.fsdp import (
+from speedtronic.parallel.fsdp import (
     find_units,
     full_model_state,
     load_full_model_state,
@@ -151,8 +151,8 @@ def test_full_state_helpers_on_one_process() -> None:
 
 
 def test_flops_are_counted_on_a_meta_copy_taken_before_sharding() -> None:
-    from speedtronic.flops import measure_flops
-    from speedtronic.fsdp import meta_shadow
+    from speedtronic.observe.flops import measure_flops
+    from speedtronic.parallel.fsdp import meta_shadow
 
     model = ReferenceTransformer(**SMALL)
     shadow = meta_shadow(model)
@@ -207,7 +207,7 @@ class ScriptedEvaluator:
         self.losses = list(losses)
 
     def evaluate(self, model: Any, step: int) -> Any:
-        from speedtronic.eval import EvalResult
+        from speedtronic.engine.eval import EvalResult
 
         return EvalResult(step, self.losses.pop(0), 1.0, 1, 1, 0.0)
 
@@ -216,9 +216,9 @@ def test_sharded_saves_keep_the_managers_policy_retention_best_and_lock(tmp_path
     from speedtronic.checkpoint.dcp import ShardedWriter, is_sharded_checkpoint
     from speedtronic.checkpoint.runlock import LOCK_NAME
     from speedtronic.data import build_dataloader
-    from speedtronic.parts import build_parts
+    from speedtronic.engine.parts import build_parts
+    from speedtronic.engine.trainer import Trainer
     from speedtronic.registry import build_model_from_hook
-    from speedtronic.trainer import Trainer
 
     settings = tiny_transformer_run(
         tmp_path,
@@ -236,7 +236,7 @@ def test_sharded_saves_keep_the_managers_policy_retention_best_and_lock(tmp_path
         if event == "step" and payload["step"] == 10:
             trainers[0].request_stop()
 
-    from speedtronic.metrics import MetricLogger
+    from speedtronic.observe.metrics import MetricLogger
 
     parts = build_parts(
         cfg,
@@ -350,8 +350,8 @@ def test_a_pickle_payload_in_the_dcp_metadata_never_runs(tmp_path: Path) -> None
 def test_fp16_over_shards_uses_a_scaler_that_agrees_across_ranks() -> None:
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+    from speedtronic.engine.precision import FP16, FP32
     from speedtronic.parallel import SINGLE_PROCESS, FullyShardedDataParallel, ParallelContext
-    from speedtronic.precision import FP16, FP32
 
     cpu = torch.device("cpu")
     sharded = FullyShardedDataParallel(ParallelContext(rank=0, world_size=2))

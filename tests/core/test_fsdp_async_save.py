@@ -13,8 +13,8 @@ from core.toy_runs import tiny_transformer_run, train
 
 import speedtronic.checkpoint.dcp as dcp_module
 from speedtronic.checkpoint import CheckpointManager
+from speedtronic.engine.runtime import build_runtime
 from speedtronic.errors import CheckpointError
-from speedtronic.runtime import build_runtime
 
 HORIZON = {"warmup_steps": 2, "total_steps": 8}  # one schedule whatever max_steps is
 

@@ -20,14 +20,14 @@ import pytest
 from core.toy_runs import EventRecorder, tiny_transformer_run, train
 from safetensors import SafetensorError
 
-import speedtronic.trainer as trainer_module
+import speedtronic.engine.trainer as trainer_module
 from speedtronic import SpeedtronicConfig, cli
 from speedtronic.checkpoint import CheckpointManager, checkpoint_name
 from speedtronic.checkpoint import storage as storage_module
 from speedtronic.checkpoint.fileio import manifest_entry
 from speedtronic.checkpoint.names import HASH_CHUNK_BYTES
+from speedtronic.engine.runtime import build_runtime
 from speedtronic.errors import CheckpointError, ConfigError
-from speedtronic.runtime import build_runtime
 
 # ---------------------------------------------------------------- checkpoints
 

@@ -17,9 +17,9 @@ from core.toy_runs import EventRecorder, tiny_transformer_run, train
 
 from speedtronic import SpeedtronicConfig
 from speedtronic.checkpoint.runlock import LOCK_NAME, RunLock
-from speedtronic.config_files import MAX_CONFIG_NODES
+from speedtronic.config.files import MAX_CONFIG_NODES
+from speedtronic.engine.runtime import build_runtime
 from speedtronic.errors import CheckpointError, ConfigError, SpeedtronicError
-from speedtronic.runtime import build_runtime
 
 # ---------------------------------------------------------------- M2: YAML alias bombs
 

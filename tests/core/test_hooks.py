@@ -19,13 +19,14 @@ from core.toy_runs import Bigram, merge_sections
 from torch import nn
 
 import speedtronic
-from speedtronic import cli, config_sections, hookimpl, hookspecs, plugins
+from speedtronic import cli, hookimpl, hookspecs, plugins
 from speedtronic.config import SpeedtronicConfig
+from speedtronic.config import sections as config_sections
+from speedtronic.config.schema import Section, option
 from speedtronic.data import build_dataloader
+from speedtronic.engine.runtime import build_runtime, train_from_config
 from speedtronic.errors import ConfigError
 from speedtronic.registry import register_model, unregister_model
-from speedtronic.runtime import build_runtime, train_from_config
-from speedtronic.schema import Section, option
 
 DOCS = Path(__file__).parents[2] / "docs"
 TINY = "core_hooks_tiny"
@@ -543,7 +544,7 @@ def test_hook_register_commands(register: Register, capsys: pytest.CaptureFixtur
 
 def test_hook_export_model(register: Register, tmp_path: Path) -> None:
     from speedtronic.errors import PluginError
-    from speedtronic.export import export_run
+    from speedtronic.inference.export import export_run
 
     class Exports:
         seen: list[dict[str, Any]] = []

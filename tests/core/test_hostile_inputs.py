@@ -33,7 +33,7 @@ from speedtronic.checkpoint.names import HASH_CHUNK_BYTES
 from speedtronic.data import check_shards, read_index
 from speedtronic.data.preparation import prepare
 from speedtronic.errors import CheckpointError, DataError, SpeedtronicError
-from speedtronic.generation import SamplingOptions, generate_tokens, sample_next
+from speedtronic.inference.generation import SamplingOptions, generate_tokens, sample_next
 
 # ---------------------------------------------------------------- helpers
 

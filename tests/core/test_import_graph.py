@@ -6,7 +6,7 @@ absolute or relative, at module level or inside a function: a function-level imp
 postpones a circle to the first call, it does not remove the knot in the design; and an
 import under ``if TYPE_CHECKING:`` counts too: it never runs, but two modules that each need
 the other's types are one knot all the same (the usual way out is a structural protocol on the
-side that only reads, as ``speedtronic.run.ConfigLike`` and ``speedtronic_models.export.
+side that only reads, as ``speedtronic.engine.run.ConfigLike`` and ``speedtronic_models.export.
 LlamaLayout`` are). An import of a module through its parent package's name is an edge to that
 module (``from speedtronic import errors`` is an edge to ``speedtronic.errors``, not to
 ``speedtronic/__init__.py``, when ``errors`` is a module).

@@ -12,14 +12,14 @@ import torch
 from core.toy_runs import Bigram, toy_trainer
 
 from speedtronic import SpeedtronicConfig, hookimpl, plugins
-from speedtronic.metrics import (
+from speedtronic.engine.trainer import Trainer
+from speedtronic.observe.metrics import (
     ConsoleSink,
     JsonlSink,
     MetricLogger,
     TextFileSink,
     process_memory_mb,
 )
-from speedtronic.trainer import Trainer
 
 STEP_KEYS = {
     "step",

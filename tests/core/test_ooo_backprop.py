@@ -16,11 +16,11 @@ from core.toy_runs import TINY_TRANSFORMER, EventRecorder, merge_sections, toy_t
 from torch import nn
 
 from speedtronic import ConfigError, SpeedtronicConfig, SpeedtronicError
-from speedtronic import ooo_backprop as ooo
-from speedtronic.ooo_backprop import OOOBackprop, install_ooo_backprop
-from speedtronic.parts import build_parts
-from speedtronic.train_step import TrainStep
-from speedtronic.trainer import Trainer
+from speedtronic.engine import ooo_backprop as ooo
+from speedtronic.engine.ooo_backprop import OOOBackprop, install_ooo_backprop
+from speedtronic.engine.parts import build_parts
+from speedtronic.engine.train_step import TrainStep
+from speedtronic.engine.trainer import Trainer
 from speedtronic_models import ReferenceTransformer
 
 TOL = 1e-6

@@ -12,7 +12,7 @@ from core.toy_runs import tiny_transformer_run, train
 
 from speedtronic import DataError
 from speedtronic.cli import main
-from speedtronic.plot import read_run, run_panels, smooth
+from speedtronic.observe.plot import read_run, run_panels, smooth
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -123,6 +123,6 @@ def test_without_matplotlib_the_error_names_the_extra(
     error = cli_error(["plot", str(runs[0]), "--out", str(tmp_path / "x.png")], capsys)
     assert "pip install 'speedtronic-core[plot]'" in error
     with pytest.raises(DataError, match=r"speedtronic-core\[plot\]"):
-        from speedtronic.plot import require_matplotlib
+        from speedtronic.observe.plot import require_matplotlib
 
         require_matplotlib()

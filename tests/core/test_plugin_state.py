@@ -16,8 +16,8 @@ import pytest
 from core.toy_runs import Bigram
 
 from speedtronic import SpeedtronicConfig, hookimpl, plugins
+from speedtronic.engine.runtime import build_runtime
 from speedtronic.registry import register_model, unregister_model
-from speedtronic.runtime import build_runtime
 
 TINY = "core_plugin_state_tiny"
 NAME = "core-test-per-run"

@@ -101,7 +101,7 @@ def test_plugin_distributions_use_only_cores_public_api() -> None:
         "from speedtronic.plugins import _failures",
         "from speedtronic._lazy import import_plugin_attr",
         "import speedtronic._lazy",
-        "from speedtronic.trainer import log",
+        "from speedtronic.engine.trainer import log",
         "from speedtronic.no_such_module import x",
     ],
 )

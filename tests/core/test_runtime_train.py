@@ -11,8 +11,8 @@ from core.toy_runs import Bigram, ClosingSink
 from torch.utils.data import Dataset
 
 from speedtronic import SpeedtronicConfig, SpeedtronicError, hookimpl, plugins
-from speedtronic.runtime import build_runtime, train_from_config
-from speedtronic.trainer import TrainResult
+from speedtronic.engine.runtime import build_runtime, train_from_config
+from speedtronic.engine.trainer import TrainResult
 
 SMOKE = Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml"
 TINY_MODEL = {

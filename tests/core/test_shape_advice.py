@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from torch import nn
 
-from speedtronic.runtime import build_runtime
-from speedtronic.shape_advice import padded, shape_advice, warn_shape_advice
+from speedtronic.engine.runtime import build_runtime
+from speedtronic.engine.shape_advice import padded, shape_advice, warn_shape_advice
 from speedtronic_models import ReferenceTransformer
 
 

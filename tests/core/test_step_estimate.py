@@ -13,9 +13,8 @@ from core.toy_runs import TINY_TRANSFORMER, tiny_transformer_run, train
 from torch import nn
 
 from speedtronic import SpeedtronicConfig, step_estimate
-from speedtronic.flops import count_flops_per_token, sample_batch
-from speedtronic.registry import build_model_from_hook
-from speedtronic.step_estimate import (
+from speedtronic.observe.flops import count_flops_per_token, sample_batch
+from speedtronic.observe.step_estimate import (
     LONG_STEP_S,
     OPTIMIZER_PASSES,
     MachineRates,
@@ -26,6 +25,7 @@ from speedtronic.step_estimate import (
     measure_rates,
     seconds_per_step,
 )
+from speedtronic.registry import build_model_from_hook
 
 
 def tiny_transformer() -> nn.Module:

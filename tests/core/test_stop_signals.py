@@ -151,7 +151,7 @@ def test_a_second_signal_aborts_at_once() -> None:
     code = """
 import os, signal, sys
 from speedtronic.parallel import SINGLE_PROCESS
-from speedtronic.stopping import StopRequest, StopSignals
+from speedtronic.engine.stopping import StopRequest, StopSignals
 request = StopRequest()
 with StopSignals(["SIGTERM"], request):
     os.kill(os.getpid(), signal.SIGTERM)

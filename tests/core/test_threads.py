@@ -16,9 +16,9 @@ import yaml
 from toy_runs import EventRecorder, tiny_transformer_run
 
 from speedtronic import ConfigError, SpeedtronicConfig
-from speedtronic.cpu_load import busy_elsewhere
-from speedtronic.runtime import build_runtime
-from speedtronic.threads import (
+from speedtronic.engine.runtime import build_runtime
+from speedtronic.observe.cpu_load import busy_elsewhere
+from speedtronic.observe.threads import (
     LOCAL_PROCESSES_ENV,
     RECHECK_S,
     ThreadGovernor,
@@ -72,7 +72,7 @@ def test_auto_divides_the_usable_cores_between_the_processes_of_the_run() -> Non
 def test_auto_follows_the_cpu_affinity_of_the_process() -> None:
     code = (
         "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
-        "from speedtronic.threads import auto_threads; print(auto_threads())"
+        "from speedtronic.observe.threads import auto_threads; print(auto_threads())"
     )
     assert python(code, env_without_threads()) == "1"
 
@@ -107,7 +107,7 @@ def test_real_busy_processes_are_seen_and_auto_gives_them_their_cores() -> None:
             assert time.monotonic() < deadline, "the hogs were never seen"
             time.sleep(0.05)
         assert auto_threads({}) == 1
-        code = "from speedtronic.threads import auto_threads; print(auto_threads())"
+        code = "from speedtronic.observe.threads import auto_threads; print(auto_threads())"
         assert python(code, env_without_threads()) == "1"  # a fresh process sees them too
     finally:
         for hog in hogs:
@@ -161,7 +161,7 @@ def test_a_cpu_run_with_auto_drops_to_one_thread_when_hogs_take_the_cores(
     if busy_elsewhere(cores) is None:
         pytest.skip("this process may not use every CPU of the machine: no load figure")
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr("speedtronic.threads.RECHECK_S", 0.01)
+    monkeypatch.setattr("speedtronic.observe.threads.RECHECK_S", 0.01)
     recorder = EventRecorder()
     config = tiny_transformer_run(
         tmp_path, run={"max_steps": 300}, checkpoint={"interval": 0, "save_final": False}

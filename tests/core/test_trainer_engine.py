@@ -17,7 +17,7 @@ from core.toy_runs import SEQ, VOCAB, ClosingSink, merge_sections, toy_trainer
 from torch import nn
 
 from speedtronic import DataError, SpeedtronicConfig, SpeedtronicError, hookimpl, plugins
-from speedtronic.trainer import Trainer
+from speedtronic.engine.trainer import Trainer
 
 
 class Bigram(toy_runs.Bigram):

@@ -11,9 +11,9 @@ from core.toy_runs import toy_trainer
 from torch import nn
 
 from speedtronic import SpeedtronicConfig, precision
+from speedtronic.engine.precision import BF16, FP16, FP32, resolve_device, resolve_precision
+from speedtronic.engine.trainer import Trainer
 from speedtronic.errors import ConfigError
-from speedtronic.precision import BF16, FP16, FP32, resolve_device, resolve_precision
-from speedtronic.trainer import Trainer
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")  # constructing a device object needs no GPU

@@ -15,9 +15,9 @@ from torch import nn
 
 from speedtronic import SpeedtronicConfig
 from speedtronic.data import build_dataloader
-from speedtronic.metrics import MetricLogger
-from speedtronic.runtime import build_runtime
-from speedtronic.trainer import Trainer, TrainResult
+from speedtronic.engine.runtime import build_runtime
+from speedtronic.engine.trainer import Trainer, TrainResult
+from speedtronic.observe.metrics import MetricLogger
 
 VOCAB = 16
 SEQ = 8

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 from speedtronic import hookimpl
-from speedtronic.fsdp import full_model_state
+from speedtronic.parallel.fsdp import full_model_state
 
 OUT = Path(os.environ["PROBE_DIR"])
 

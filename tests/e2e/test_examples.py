@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from speedtronic import SpeedtronicConfig
-from speedtronic.runtime import train_from_config
+from speedtronic.engine.runtime import train_from_config
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"

@@ -34,7 +34,7 @@ import torch
 from safetensors.torch import save_file
 
 from speedtronic import hookimpl
-from speedtronic.fsdp import full_model_state, load_full_model_state
+from speedtronic.parallel.fsdp import full_model_state, load_full_model_state
 
 OUT = Path(os.environ["PROBE_DIR"])
 

@@ -194,7 +194,7 @@ def test_the_readme_installs_what_its_quickstart_and_the_test_suite_use() -> Non
 
 def test_reference_small_says_it_is_for_a_gpu_and_what_runs_on_a_cpu() -> None:
     from speedtronic import cli
-    from speedtronic.runtime import check_runtime
+    from speedtronic.engine.runtime import check_runtime
 
     header = []
     for line in (ROOT / "configs" / "reference-small.yaml").read_text().splitlines():

@@ -207,7 +207,7 @@ def test_a_missing_transformers_names_the_extra(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_export_uses_save_pretrained(tmp_path: Path) -> None:
-    from speedtronic.export import export_run
+    from speedtronic.inference.export import export_run
 
     config = run_config(tmp_path / "run", hf_model(TINY_GPT2), run={"max_steps": 2})
     train_from_config(config, console=False)

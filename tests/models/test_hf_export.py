@@ -14,9 +14,9 @@ from safetensors import safe_open
 
 import speedtronic
 from speedtronic import ConfigError, cli
-from speedtronic.export import ExportError, byte_level_tokenizer_json, export_run
 from speedtronic.generation import SamplingOptions, generate_tokens
 from speedtronic.inference import load_trained_model
+from speedtronic.inference.export import ExportError, byte_level_tokenizer_json, export_run
 from speedtronic.runtime import train_from_config
 from speedtronic_models.export import write_llama
 

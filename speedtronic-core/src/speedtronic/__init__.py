@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from speedtronic.config import SpeedtronicConfig
+from speedtronic.engine.run import ConfigLike, TrainerLike
 from speedtronic.errors import (
     CheckpointError,
     ConfigError,
@@ -19,7 +20,6 @@ from speedtronic.errors import (
 from speedtronic.hookspecs import hookimpl
 from speedtronic.registry import build_model_from_hook as build_model
 from speedtronic.registry import register_model
-from speedtronic.run import ConfigLike, TrainerLike
 
 __version__ = "0.1.0"
 
@@ -48,13 +48,13 @@ _DILOCO_NAMES = {
 }
 # Heavier core names, imported on first use so `import speedtronic` stays light.
 _CORE_LAZY = {
-    "Trainer": "speedtronic.trainer",
-    "TrainResult": "speedtronic.trainer",
-    "MetricLogger": "speedtronic.metrics",
-    "train_from_config": "speedtronic.runtime",
-    "build_runtime": "speedtronic.runtime",
-    "TrainingParts": "speedtronic.parts",
-    "build_parts": "speedtronic.parts",
+    "Trainer": "speedtronic.engine.trainer",
+    "TrainResult": "speedtronic.engine.trainer",
+    "MetricLogger": "speedtronic.observe.metrics",
+    "train_from_config": "speedtronic.engine.runtime",
+    "build_runtime": "speedtronic.engine.runtime",
+    "TrainingParts": "speedtronic.engine.parts",
+    "build_parts": "speedtronic.engine.parts",
 }
 
 

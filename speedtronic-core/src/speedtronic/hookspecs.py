@@ -6,8 +6,8 @@ group ``speedtronic``; implementations may accept any subset of a hook's argumen
 These docstrings are the hook reference: ``docs/hooks.md`` is generated from them.
 
 Every hook called during a run receives the run (``trainer``), typed as the protocol
-:class:`speedtronic.run.TrainerLike`: what a plugin may use of it. A plugin keeps what it knows
-about a run in ``trainer.plugin_state[<plugin name>]``: a dict that is empty when a run
+:class:`speedtronic.engine.run.TrainerLike`: what a plugin may use of it. A plugin keeps what it
+knows about a run in ``trainer.plugin_state[<plugin name>]``: a dict that is empty when a run
 begins (``on_load_checkpoint`` fills it on resume, before :func:`on_train_start`) and is
 emptied after :func:`on_train_end`.
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 import pluggy
 
-from speedtronic.run import TrainerLike
+from speedtronic.engine.run import TrainerLike
 
 hookspec = pluggy.HookspecMarker("speedtronic")
 hookimpl = pluggy.HookimplMarker("speedtronic")

@@ -1,7 +1,7 @@
 """The built-in strategies beside :class:`~speedtronic.parallel.strategy.SingleProcess`:
 ``ddp`` (a whole replica per rank, gradients all-reduced by DistributedDataParallel) and
 ``fsdp`` (parameters, gradients and optimizer state sharded over the ranks by FSDP2, sharded
-DCP checkpoints, see :mod:`speedtronic.fsdp`)."""
+DCP checkpoints, see :mod:`speedtronic.parallel.fsdp`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from speedtronic.parallel.strategy import ParallelStrategy
 
 if TYPE_CHECKING:
     from speedtronic.checkpoint.writer import CheckpointWriter
-    from speedtronic.precision import Precision
+    from speedtronic.engine.precision import Precision
 
 __all__ = ["DataParallel", "FullyShardedDataParallel"]
 
@@ -74,7 +74,7 @@ class FullyShardedDataParallel(ParallelStrategy):
 
     def __init__(self, parallel: Any) -> None:
         super().__init__(parallel)
-        self._run: Any = None  # speedtronic.fsdp.ShardedRun once the model is sharded
+        self._run: Any = None  # speedtronic.parallel.fsdp.ShardedRun once the model is sharded
 
     @property
     def shards_parameters(self) -> bool:  # type: ignore[override]
@@ -97,7 +97,7 @@ class FullyShardedDataParallel(ParallelStrategy):
     ) -> nn.Module:
         if not self.parallel.enabled:
             return model
-        from speedtronic.fsdp import ShardedRun, meta_shadow, shard_model
+        from speedtronic.parallel.fsdp import ShardedRun, meta_shadow, shard_model
 
         # The FLOP count needs the model whole; a meta copy of it costs no memory.
         shadow = meta_shadow(model)

@@ -1,6 +1,6 @@
 """How a run's processes train one model together: the :class:`ParallelStrategy`.
 
-One strategy object is built per run by the composition root (:func:`speedtronic.parts.
+One strategy object is built per run by the composition root (:func:`speedtronic.engine.parts.
 build_parts`) and asked, wherever the engine used to test which of DDP or FSDP it runs under,
 to do its part: shard the model before the optimizer exists, wrap the module the forward runs
 through, hold back gradient reduction during accumulation, run the backward, clip gradients,
@@ -27,7 +27,7 @@ from speedtronic.checkpoint.writer import CheckpointWriter
 from speedtronic.parallel.context import ParallelContext
 
 if TYPE_CHECKING:
-    from speedtronic.precision import Precision
+    from speedtronic.engine.precision import Precision
 
 __all__ = ["ParallelStrategy", "SingleProcess"]
 
@@ -117,13 +117,13 @@ class ParallelStrategy:
 
     def full_model_state(self, model: nn.Module, *, only_main: bool = False) -> dict[str, Any]:
         """The whole model's state dict on the CPU (every rank calls it)."""
-        from speedtronic.fsdp import full_model_state
+        from speedtronic.parallel.fsdp import full_model_state
 
         return full_model_state(model, only_main=only_main)
 
     def load_full_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:
         """Load a whole (unsharded) model state into this run's model."""
-        from speedtronic.fsdp import load_full_model_state
+        from speedtronic.parallel.fsdp import load_full_model_state
 
         load_full_model_state(model, state)
 
@@ -131,7 +131,7 @@ class ParallelStrategy:
         self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
         """Load a whole optimizer state (of a run of any strategy) into this run's optimizer."""
-        from speedtronic.fsdp import load_optimizer_state
+        from speedtronic.parallel.fsdp import load_optimizer_state
 
         load_optimizer_state(model, optimizer, state)
 
@@ -154,7 +154,7 @@ class ParallelStrategy:
 
     @property
     def sharded_run(self) -> Any:
-        """The :class:`~speedtronic.fsdp.ShardedRun` when the parameters are sharded."""
+        """The :class:`~speedtronic.parallel.fsdp.ShardedRun` when the parameters are sharded."""
         return None
 
 

@@ -13,13 +13,13 @@ import logging
 import sys
 from typing import Any
 
-from speedtronic.cli_options import add_set_option, load_config
+from speedtronic.cli.options import add_set_option, load_config
 
 __all__ = ["DTYPE_CHOICES", "FORMAT_CHOICES", "add_model_commands", "cmd_export", "cmd_generate"]
 
 log = logging.getLogger("speedtronic.cli")
 
-# Kept here rather than imported from speedtronic.export: building the parser stays light.
+# Kept here rather than imported from speedtronic.inference.export: building the parser stays light.
 FORMAT_CHOICES = ("hf",)
 DTYPE_CHOICES = ("bf16", "fp16", "fp32")
 
@@ -31,8 +31,8 @@ def _checkpoint(args: argparse.Namespace) -> str:
 def cmd_export(args: argparse.Namespace) -> int:
     """``speedtronic export``: write the trained model as a folder other tools load."""
     config = load_config(args)
-    from speedtronic.export import export_run
-    from speedtronic.threads import apply_threads
+    from speedtronic.inference.export import export_run
+    from speedtronic.observe.threads import apply_threads
 
     apply_threads(config.run.threads)
 
@@ -56,10 +56,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     """``speedtronic generate``: sample text from the trained model, streamed to stdout."""
     config = load_config(args)
-    from speedtronic.generation import SamplingOptions, generate_text
+    from speedtronic.engine.precision import resolve_device
     from speedtronic.inference import load_trained_model, run_tokenizer
-    from speedtronic.precision import resolve_device
-    from speedtronic.threads import apply_threads
+    from speedtronic.inference.generation import SamplingOptions, generate_text
+    from speedtronic.observe.threads import apply_threads
 
     apply_threads(config.run.threads)
     options = SamplingOptions(

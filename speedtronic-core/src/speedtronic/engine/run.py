@@ -1,7 +1,7 @@
 """The run as a plugin sees it: :class:`TrainerLike`, the type of every hook's ``trainer``,
 and :class:`ConfigLike`, the type of its ``config``.
 
-Structural protocols rather than the :class:`~speedtronic.trainer.Trainer` and
+Structural protocols rather than the :class:`~speedtronic.engine.trainer.Trainer` and
 :class:`~speedtronic.config.SpeedtronicConfig` classes, so the hook contract names exactly what
 a plugin may rely on, a test can hand a hook a small object of its own, and importing the
 contract stays as light as ``hookspecs`` (no torch at import time). ``ConfigLike`` also keeps
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:  # annotations only: this module is imported by the hook contract
     from torch import nn
 
-    from speedtronic.config_sections import (
+    from speedtronic.config.sections import (
         CheckpointConfig,
         CompileConfig,
         DataConfig,

@@ -10,7 +10,7 @@ __all__ = ["add_plot_command", "cmd_plot"]
 
 def cmd_plot(args: argparse.Namespace) -> int:
     """Draw the runs' curves into one PNG and print its path."""
-    from speedtronic.plot import plot_runs
+    from speedtronic.observe.plot import plot_runs
 
     out = plot_runs(args.runs, args.out, x=args.x)
     print(f"wrote {out}")

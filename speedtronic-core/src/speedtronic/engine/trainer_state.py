@@ -1,6 +1,7 @@
 """The checkpoint side of a run: :class:`TrainerState`, a component the
-:class:`~speedtronic.trainer.Trainer` holds as ``checkpointing``. It builds, writes, resumes and
-loads the trainer state (what a decoded state must hold: :mod:`speedtronic.state_checks`)."""
+:class:`~speedtronic.engine.trainer.Trainer` holds as ``checkpointing``. It builds, writes,
+resumes and loads the trainer state (what a decoded state must hold:
+:mod:`speedtronic.engine.state_checks`)."""
 
 from __future__ import annotations
 
@@ -17,11 +18,11 @@ from speedtronic.checkpoint import (
     set_rng_state,
 )
 from speedtronic.checkpoint.dcp import load_sharded_weights, sharded_model_shapes
+from speedtronic.engine.run import ConfigLike
+from speedtronic.engine.state_checks import STATE_FORMAT, check_trainer_state, state_mismatch
 from speedtronic.errors import CheckpointError
 from speedtronic.parallel.context import ParallelContext
 from speedtronic.parallel.strategy import ParallelStrategy
-from speedtronic.run import ConfigLike
-from speedtronic.state_checks import STATE_FORMAT, check_trainer_state, state_mismatch
 
 __all__ = ["CheckpointedRun", "TrainerState"]
 

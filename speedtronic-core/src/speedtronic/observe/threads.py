@@ -10,9 +10,9 @@ cores:
   machine yourself);
 - an explicit ``$OMP_NUM_THREADS`` wins, as it does for torch (and the count stays fixed).
 
-Then it leaves other work its cores (:mod:`speedtronic.cpu_load`): the runnable tasks that are
-not this process's, less the ones the run's other local processes account for, are taken off
-the cores, and the rest is shared between this run's local processes (at least one thread
+Then it leaves other work its cores (:mod:`speedtronic.observe.cpu_load`): the runnable tasks
+that are not this process's, less the ones the run's other local processes account for, are
+taken off the cores, and the rest is shared between this run's local processes (at least one thread
 each). On an idle machine that is every core with the OpenMP runtime's defaults (its worker
 threads spin-wait between parallel regions, the fastest way there); with other work on the
 cores it is fewer threads, down to one, because a step whose threads wait for a descheduled
@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from speedtronic.cpu_load import busy_elsewhere
+from speedtronic.observe.cpu_load import busy_elsewhere
 
 __all__ = [
     "AUTO",

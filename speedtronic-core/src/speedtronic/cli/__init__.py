@@ -18,10 +18,10 @@ from contextlib import contextmanager
 from typing import Any
 
 from speedtronic import __version__
-from speedtronic.cli_options import add_config_flag, add_set_option, load_config
+from speedtronic.cli.options import add_config_flag, add_set_option, load_config
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.errors import PluginError, SpeedtronicError
-from speedtronic.threads import AUTO, auto_threads
+from speedtronic.observe.threads import AUTO, auto_threads
 
 __all__ = [
     "EXIT_USER_ERROR",
@@ -49,16 +49,16 @@ _LAUNCHER = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
 def cmd_train(args: argparse.Namespace) -> int:
     """``speedtronic train``: validate, build and run; print a one-line summary."""
-    from speedtronic.launcher import die_with_launcher
+    from speedtronic.cli.launcher import die_with_launcher
 
     die_with_launcher()  # a rank of `--nproc-per-node`: never outlive the launcher
     config = load_config(args)  # before importing torch: a config error should be instant
-    from speedtronic.preflight import check_before_building
+    from speedtronic.engine.preflight import check_before_building
 
     check_before_building(config)  # so are errors the config and its files decide alone
     if getattr(args, "nproc_per_node", None) and "WORLD_SIZE" not in os.environ:
         return _launch_ranks(args.nproc_per_node, config, args.argv)
-    from speedtronic.runtime import train_from_config
+    from speedtronic.engine.runtime import train_from_config
 
     try:
         result = train_from_config(config)
@@ -118,9 +118,9 @@ def _launch_ranks(nproc: int, config: SpeedtronicConfig, argv: Sequence[str]) ->
         if arg.startswith("--nproc-per-node="):
             continue
         passed.append(arg)
-    from speedtronic.launcher import LAUNCHER_PID_ENV
+    from speedtronic.cli.launcher import LAUNCHER_PID_ENV
 
-    # The ranks die with this process (speedtronic.launcher), even when it is SIGKILLed.
+    # The ranks die with this process (speedtronic.cli.launcher), even when it is SIGKILLed.
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     # The launcher forwards these to the ranks (its own list lacks SIGUSR1) and then gives
     # them time to write their checkpoint before it kills them.
@@ -149,9 +149,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     data against it) and print the resolved config with secrets redacted."""
     config = load_config(args)
     if not args.config_only:
+        from speedtronic.engine.runtime import check_runtime
+        from speedtronic.observe.threads import apply_threads
         from speedtronic.parallel.context import launched_world_size
-        from speedtronic.runtime import check_runtime
-        from speedtronic.threads import apply_threads
 
         apply_threads(config.run.threads)
         world = args.nproc_per_node or launched_world_size()
@@ -279,13 +279,13 @@ def build_parser() -> argparse.ArgumentParser:
     from speedtronic.data.prepare_cli import add_data_commands
 
     add_data_commands(sub)  # `speedtronic data prepare`
-    from speedtronic.eval_cli import add_eval_command
+    from speedtronic.cli.eval import add_eval_command
 
     add_eval_command(sub)  # `speedtronic eval`
-    from speedtronic.export_cli import add_model_commands
+    from speedtronic.cli.export import add_model_commands
 
     add_model_commands(sub)  # `speedtronic export`, `speedtronic generate`
-    from speedtronic.plot_cli import add_plot_command
+    from speedtronic.cli.plot import add_plot_command
 
     add_plot_command(sub)  # `speedtronic plot`
     _add_plugin_commands(sub)

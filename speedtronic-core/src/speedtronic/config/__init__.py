@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from speedtronic.config_files import (
+from speedtronic.config.files import (
     RUN_ALIASES,
     check_plain_data,
     is_file,
@@ -26,7 +26,15 @@ from speedtronic.config_files import (
     set_dotted,
     split_overrides,
 )
-from speedtronic.config_sections import (
+from speedtronic.config.schema import (
+    REDACTED,
+    build_section,
+    coerce,
+    section_to_dict,
+    suggest_key,
+    unknown_key_error,
+)
+from speedtronic.config.sections import (
     CheckpointConfig,
     CompileConfig,
     DataConfig,
@@ -44,14 +52,6 @@ from speedtronic.config_sections import (
     SchedulerConfig,
 )
 from speedtronic.errors import ConfigError, PluginError
-from speedtronic.schema import (
-    REDACTED,
-    build_section,
-    coerce,
-    section_to_dict,
-    suggest_key,
-    unknown_key_error,
-)
 
 __all__ = [
     "REDACTED",

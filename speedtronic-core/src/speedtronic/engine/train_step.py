@@ -1,4 +1,4 @@
-"""One optimizer step of :class:`~speedtronic.trainer.Trainer`: the micro-batches of an
+"""One optimizer step of :class:`~speedtronic.engine.trainer.Trainer`: the micro-batches of an
 accumulation window, forward and backward under the run's precision (the strategy's gradient
 reduction on the last micro-batch only), out-of-order backprop drains, clipping, the
 GradScaler, and the counts that stop a run whose loss or gradients are no longer finite."""
@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from speedtronic.batch import aux_metrics, call_model, labels_as_inputs, loss_of, move_to
+from speedtronic.engine.batch import aux_metrics, call_model, labels_as_inputs, loss_of, move_to
 from speedtronic.errors import DataError, SpeedtronicError
 
 if TYPE_CHECKING:
-    from speedtronic.parts import TrainingParts
+    from speedtronic.engine.parts import TrainingParts
 
 __all__ = ["MAX_CONSECUTIVE_SKIPS", "TrainStep"]
 
@@ -27,7 +27,7 @@ MAX_CONSECUTIVE_SKIPS = 64
 
 
 class TrainStep:
-    """One optimizer step of a run, a component of its :class:`~speedtronic.trainer.Trainer`
+    """One optimizer step of a run, a component of its :class:`~speedtronic.engine.trainer.Trainer`
     (``trainer.train_step``): it holds the parts a step uses, the run's
     :class:`~speedtronic.parallel.ParallelStrategy` among them, and the step's own counters
     (the model-returned metrics of the last step, skipped and non-finite steps in a row).

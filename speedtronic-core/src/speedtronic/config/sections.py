@@ -9,12 +9,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from speedtronic.errors import ConfigError
-from speedtronic.schema import (
+from speedtronic.config.schema import (
     IMPORT_PATH,
     Section,
     option,
 )
+from speedtronic.errors import ConfigError
 
 __all__ = [
     "CheckpointConfig",

@@ -55,7 +55,7 @@ def read_checkpoint(config: SpeedtronicConfig, which: str = "latest") -> LoadedC
     one ``best.json`` names, kept by runs that evaluate), the path of one ``step_NNNNNNNN``
     directory, or of a checkpoint directory (its newest checkpoint). Verified against its
     manifest; raises :class:`CheckpointError` naming what is missing."""
-    from speedtronic.state_checks import check_trainer_state
+    from speedtronic.engine.state_checks import check_trainer_state
 
     manager = CheckpointManager(config.checkpoint_dir)
     if which not in ("latest", "best"):
@@ -107,7 +107,7 @@ def load_trained_model(
         loaded = read_checkpoint(config, checkpoint)  # a missing one fails before the model
         state, source, step = loaded.state["model"], f"checkpoint {loaded.path}", loaded.step
         model = build_model_from_hook(config.model.name, **config.model.params)
-    from speedtronic.state_checks import state_mismatch
+    from speedtronic.engine.state_checks import state_mismatch
 
     mismatch = state_mismatch(model.state_dict(), state)
     if mismatch:
@@ -158,9 +158,9 @@ class RunTokenizer:
     note: str = ""
 
     def codec(self, vocab_size: int | None = None) -> Any:
-        """The :class:`~speedtronic.generation.TextCodec` that encodes prompts and decodes
+        """The :class:`~speedtronic.inference.generation.TextCodec` that encodes prompts and decodes
         samples the way the run did; :class:`DataError` when the tokenizer file is missing."""
-        from speedtronic.generation import ByteCodec, TokenizerCodec
+        from speedtronic.inference.generation import ByteCodec, TokenizerCodec
 
         if self.kind == "tokenizers":
             if self.path is None:

@@ -2,7 +2,8 @@
 
 By default it scores every window of the held-out split once (``--batches all``; an endless
 stream such as the synthetic data takes the config's ``eval.batches``). ``--batches N`` picks
-the same spread windows training evaluates with ``eval.batches: N`` (see :mod:`speedtronic.eval`),
+the same spread windows training evaluates with ``eval.batches: N``
+(see :mod:`speedtronic.engine.eval`),
 so the number printed then matches the run's ``eval`` events for the same weights.
 """
 
@@ -13,7 +14,7 @@ import json
 import math
 from typing import Any
 
-from speedtronic.cli_options import add_set_option, load_config
+from speedtronic.cli.options import add_set_option, load_config
 from speedtronic.errors import CheckpointError, PluginError
 
 __all__ = ["add_eval_command", "cmd_eval"]
@@ -67,18 +68,18 @@ def _batches(text: str) -> int | str:
 def cmd_eval(args: argparse.Namespace) -> int:
     """Load the weights, evaluate, print loss/ppl/tokens and how many windows were scored."""
     config = load_config(args)
-    from speedtronic.preflight import check_before_building
+    from speedtronic.engine.preflight import check_before_building
 
     check_before_building(config, training=False)  # before torch and the model
 
-    from speedtronic.eval import Evaluator, build_eval_source
+    from speedtronic.engine.eval import Evaluator, build_eval_source
+    from speedtronic.engine.model_limits import model_limits
+    from speedtronic.engine.precision import resolve_device, resolve_precision
+    from speedtronic.engine.state_checks import state_mismatch
     from speedtronic.inference import read_checkpoint
-    from speedtronic.model_limits import model_limits
+    from speedtronic.observe.threads import apply_threads
     from speedtronic.plugins import get_plugin_manager
-    from speedtronic.precision import resolve_device, resolve_precision
     from speedtronic.registry import build_model_from_hook
-    from speedtronic.state_checks import state_mismatch
-    from speedtronic.threads import apply_threads
 
     apply_threads(config.run.threads)
     if args.use_global:
@@ -103,7 +104,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     model.load_state_dict(weights)
     device = resolve_device(config.run.device)
     model.to(device)
-    from speedtronic.batch import label_mode
+    from speedtronic.engine.batch import label_mode
 
     held_out = build_eval_source(config, **model_limits(model, config.model.params))
     batches = args.batches

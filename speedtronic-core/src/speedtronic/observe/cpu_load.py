@@ -1,5 +1,5 @@
 """How many of this machine's CPUs other work keeps busy right now: what ``run.threads: auto``
-leaves to that work (:mod:`speedtronic.threads`).
+leaves to that work (:mod:`speedtronic.observe.threads`).
 
 The figure is the kernel's count of runnable tasks (the fourth field of ``/proc/loadavg``,
 every thread on the machine that is running or waiting for a CPU) minus this process's own
