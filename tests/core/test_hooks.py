@@ -183,7 +183,9 @@ def test_the_config_a_hook_sees_is_the_whole_config() -> None:
     ``SpeedtronicConfig`` with the same type, in the same order: a section added to the config
     and not to the contract (or the other way round) fails here."""
     # The contract imports the section types for annotations only: resolve them here.
-    contract = typing.get_type_hints(speedtronic.ConfigLike, vars(config_sections))
+    contract = typing.get_type_hints(
+        speedtronic.ConfigLike, {"sections": config_sections, "Any": typing.Any}
+    )
     fields = typing.get_type_hints(SpeedtronicConfig)
     assert list(contract) == [field.name for field in dataclasses.fields(SpeedtronicConfig)]
     assert contract == {name: fields[name] for name in contract}

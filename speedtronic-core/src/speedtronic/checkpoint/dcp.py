@@ -176,8 +176,8 @@ def _save_once(
     tensors: dict[str, Any],
     parallel: Any,
 ) -> Path:
-    """One attempt by every rank of ``parallel`` (a ParallelContext, or the background
-    saves' own collectives, whose ``group`` DCP then uses); ``encoded`` is rank 0's."""
+    """One attempt by every rank of ``parallel`` (the run's ParallelContext, or the background
+    saves' own over their ``group``, which DCP then uses too); ``encoded`` is rank 0's."""
     import torch.distributed.checkpoint as dcp
 
     name = checkpoint_name(step)
@@ -197,7 +197,7 @@ def _save_once(
     error = None
     try:
         writer = dcp.FileSystemWriter(staging / DCP_DIR, single_file_per_rank=True)
-        dcp.save(tensors, storage_writer=writer, process_group=getattr(parallel, "group", None))
+        dcp.save(tensors, storage_writer=writer, process_group=parallel.group)
     except Exception as exc:  # a full disk on any rank fails DCP's collective save everywhere
         error = _failure(manager, name, exc)
     errors = [e for e in parallel.gather(error) if e]

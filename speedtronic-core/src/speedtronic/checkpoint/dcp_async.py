@@ -17,69 +17,23 @@ that the manager's guarantees need and ``async_save`` leaves to its caller:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from speedtronic.parallel.context import ParallelContext
 
-__all__ = ["GroupCollectives", "background_collectives", "stage"]
+__all__ = ["background_collectives", "stage"]
 
 
-@dataclass
-class GroupCollectives:
-    """The few collectives a sharded save takes (:class:`~speedtronic.parallel.ParallelContext`
-    's ``broadcast``, ``gather``, ``barrier``), over ``group``; on one process, no-ops."""
-
-    rank: int = 0
-    world_size: int = 1
-    group: Any = None
-
-    @property
-    def enabled(self) -> bool:
-        return self.world_size > 1
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    def broadcast(self, value: Any) -> Any:
-        """Rank 0's ``value`` on every rank (a small picklable object)."""
-        if not self.enabled:
-            return value
-        import torch.distributed as dist
-
-        holder = [value]
-        dist.broadcast_object_list(holder, src=0, group=self.group)
-        return holder[0]
-
-    def gather(self, value: Any) -> list[Any]:
-        """Every rank's ``value``, in rank order, on every rank."""
-        if not self.enabled:
-            return [value]
-        import torch.distributed as dist
-
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, value, group=self.group)
-        return gathered
-
-    def barrier(self) -> None:
-        """Wait until every rank's background write got here."""
-        if self.enabled:
-            import torch.distributed as dist
-
-            dist.barrier(group=self.group)
-
-
-def background_collectives(parallel: ParallelContext) -> GroupCollectives:
+def background_collectives(parallel: ParallelContext) -> ParallelContext:
     """The collectives of this run's background saves: a new gloo group of all ranks (every
     rank must call this at the same point, as ``new_group`` is collective), or no-ops on one
-    process."""
+    process: a context whose ``broadcast``, ``gather`` and ``barrier`` go over that group."""
     if not parallel.enabled:
-        return GroupCollectives()
+        return ParallelContext()
     import torch.distributed as dist
 
     group = dist.new_group(backend="gloo")
-    return GroupCollectives(parallel.rank, parallel.world_size, group)
+    return ParallelContext(parallel.rank, parallel.world_size, group=group)
 
 
 def stage(tensors: dict[str, Any]) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from speedtronic.config import sections
 from speedtronic.config.files import (
     RUN_ALIASES,
     check_plain_data,
@@ -34,15 +35,14 @@ from speedtronic.config.schema import (
     suggest_key,
     unknown_key_error,
 )
+from speedtronic.config.sections import *  # noqa: F403 (the sections, re-exported)
 from speedtronic.config.sections import (
     CheckpointConfig,
     CompileConfig,
     DataConfig,
     EvalConfig,
-    FSDPConfig,
     LoggingConfig,
     ModelConfig,
-    MuonConfig,
     OOOBackpropConfig,
     OptimizerConfig,
     ParallelConfig,
@@ -53,26 +53,8 @@ from speedtronic.config.sections import (
 )
 from speedtronic.errors import ConfigError, PluginError
 
-__all__ = [
-    "REDACTED",
-    "CheckpointConfig",
-    "CompileConfig",
-    "DataConfig",
-    "EvalConfig",
-    "FSDPConfig",
-    "LoggingConfig",
-    "ModelConfig",
-    "MuonConfig",
-    "OOOBackpropConfig",
-    "OptimizerConfig",
-    "ParallelConfig",
-    "PrecisionConfig",
-    "ProfileConfig",
-    "RunConfig",
-    "SchedulerConfig",
-    "SpeedtronicConfig",
-    "check_plain_data",
-]
+# The sections are public here too: a config is read as speedtronic.config.<Section>.
+__all__ = ["REDACTED", *sections.__all__, "SpeedtronicConfig", "check_plain_data"]
 
 
 CORE_SECTIONS: dict[str, type] = {

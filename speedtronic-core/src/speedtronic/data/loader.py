@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator
+from typing import Any
 
 from torch.utils.data import Dataset, IterableDataset
 
@@ -94,18 +95,15 @@ def build_dataloader(
     if seq_len is None:
         raise DataError(MISSING_SEQ_LEN)
     if data.shards:
-        limit = _within("vocab_size", data.vocab_size, vocab_size, "vocab_size")
-        source = shard_source(
+        source = _configured_shards(
+            config,
             data.shards,
+            vocab_size,
             seq_len=seq_len,
             micro_batch_size=micro,
-            vocab_size=limit,
-            vocab_label="data.vocab_size" if data.vocab_size else "the model's vocab_size",
             seed=stream_seed,
             rank=rank,
             num_ranks=num_ranks,
-            verify=data.verify_shards,
-            config=config,
         )
         return _with_split(source, split)
     if data.text_path:
@@ -205,20 +203,33 @@ def build_eval_source(
     seq_len = _within("seq_len", data.seq_len, seq_len, "max_seq_len")
     if seq_len is None:
         raise DataError(MISSING_SEQ_LEN)
-    limit = _within("vocab_size", data.vocab_size, vocab_size, "vocab_size")
-    return shard_source(
+    return _configured_shards(
+        config,
         directory,
+        vocab_size,
         split="eval",
         seq_len=seq_len,
         micro_batch_size=micro_batch_size or data.micro_batch_size,
-        vocab_size=limit,
-        vocab_label="data.vocab_size" if data.vocab_size else "the model's vocab_size",
         shuffle=False,
         rank=rank,
         num_ranks=num_ranks,
+        where="eval.shards" if directory != data.shards else "data.shards",
+    )
+
+
+def _configured_shards(
+    config: SpeedtronicConfig, directory: str, vocab_size: int | None, **options: Any
+) -> DataSource:
+    """:func:`shard_source` over ``directory`` with what the ``data`` section says of every
+    shard read (the vocabulary limit and its name, whether to verify the files)."""
+    data = config.data
+    return shard_source(
+        directory,
+        vocab_size=_within("vocab_size", data.vocab_size, vocab_size, "vocab_size"),
+        vocab_label="data.vocab_size" if data.vocab_size else "the model's vocab_size",
         verify=data.verify_shards,
         config=config,
-        where="eval.shards" if directory != data.shards else "data.shards",
+        **options,
     )
 
 

@@ -16,21 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:  # annotations only: this module is imported by the hook contract
     from torch import nn
 
-    from speedtronic.config.sections import (
-        CheckpointConfig,
-        CompileConfig,
-        DataConfig,
-        EvalConfig,
-        LoggingConfig,
-        ModelConfig,
-        OOOBackpropConfig,
-        OptimizerConfig,
-        ParallelConfig,
-        PrecisionConfig,
-        ProfileConfig,
-        RunConfig,
-        SchedulerConfig,
-    )
+    from speedtronic.config import sections
     from speedtronic.parallel.context import ParallelContext
 
 __all__ = ["ConfigLike", "TrainerLike"]
@@ -41,20 +27,20 @@ class ConfigLike(Protocol):
     plugin's section as an attribute (``config.distributed``) and in ``plugins``.
     :class:`~speedtronic.config.SpeedtronicConfig` is one (a test keeps the two in step)."""
 
-    run: RunConfig
-    model: ModelConfig
-    data: DataConfig
-    optimizer: OptimizerConfig
-    scheduler: SchedulerConfig
-    precision: PrecisionConfig
-    compile: CompileConfig
-    ooo_backprop: OOOBackpropConfig
+    run: sections.RunConfig
+    model: sections.ModelConfig
+    data: sections.DataConfig
+    optimizer: sections.OptimizerConfig
+    scheduler: sections.SchedulerConfig
+    precision: sections.PrecisionConfig
+    compile: sections.CompileConfig
+    ooo_backprop: sections.OOOBackpropConfig
     gradient_checkpointing: bool
-    checkpoint: CheckpointConfig
-    eval: EvalConfig
-    parallel: ParallelConfig
-    logging: LoggingConfig
-    profile: ProfileConfig
+    checkpoint: sections.CheckpointConfig
+    eval: sections.EvalConfig
+    parallel: sections.ParallelConfig
+    logging: sections.LoggingConfig
+    profile: sections.ProfileConfig
     plugins: dict[str, Any]
 
     def __getattr__(self, name: str) -> Any:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from speedtronic.optim.combined import CombinedOptimizer, reset_optimizer_state
+from speedtronic.optim.combined import CombinedOptimizer, closure_loss, reset_optimizer_state
 
 __all__ = ["CautiousOptimizer", "cautious_mask_"]
 
@@ -102,10 +102,7 @@ class CautiousOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Step the base optimizer, then mask and rescale the update per tensor."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         # The grads are held by reference: torch's optimizers do not modify p.grad in place.
         tracked = [
             (p, p.detach().clone(), p.grad)

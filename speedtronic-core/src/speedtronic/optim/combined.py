@@ -20,9 +20,18 @@ import torch
 
 from speedtronic.errors import CheckpointError
 
-__all__ = ["CombinedOptimizer", "PartsState", "reset_optimizer_state"]
+__all__ = ["CombinedOptimizer", "PartsState", "closure_loss", "reset_optimizer_state"]
 
 _FORMAT = "combined_optimizer"
+
+
+def closure_loss(closure: Callable[[], Any] | None) -> Any:
+    """The loss of an optimizer ``step``'s closure, evaluated with gradients on (``step`` runs
+    under ``no_grad``), or None without one: what every optimizer here does first."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 
 class PartsState(MutableMapping):
@@ -116,10 +125,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """One step of every part (the closure, if any, is evaluated once)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for part in self.optimizers.values():
             part.step()
         return loss

@@ -48,6 +48,9 @@ class ParallelContext:
     backend: str | None = None
     device: torch.device | None = None
     owns_group: bool = False
+    #: The process group the collectives below go over (None: the default group). A
+    #: background sharded save has a gloo group of its own (checkpoint/dcp_async.py).
+    group: Any = None
 
     @property
     def enabled(self) -> bool:
@@ -66,7 +69,7 @@ class ParallelContext:
         import torch.distributed as dist
 
         reduced = value.detach().clone().float()
-        dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
+        dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=self.group)
         return reduced / self.world_size
 
     def sum(self, value: torch.Tensor) -> torch.Tensor:
@@ -76,7 +79,7 @@ class ParallelContext:
         import torch.distributed as dist
 
         reduced = value.detach().clone()
-        dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
+        dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=self.group)
         return reduced
 
     def max_each(self, values: list[int]) -> list[int]:
@@ -87,7 +90,7 @@ class ParallelContext:
         import torch.distributed as dist
 
         tensor = torch.tensor([int(v) for v in values], dtype=torch.int64, device=self.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
         return [int(v) for v in tensor.tolist()]
 
     def barrier(self) -> None:
@@ -95,7 +98,7 @@ class ParallelContext:
         if self.enabled:
             import torch.distributed as dist
 
-            dist.barrier()
+            dist.barrier(group=self.group)
 
     def broadcast(self, value: Any) -> Any:
         """Rank 0's ``value`` on every rank (a small picklable object: a decision, a step)."""
@@ -104,7 +107,7 @@ class ParallelContext:
         import torch.distributed as dist
 
         holder = [value]
-        dist.broadcast_object_list(holder, src=0)
+        dist.broadcast_object_list(holder, src=0, group=self.group)
         return holder[0]
 
     def gather(self, value: Any) -> list[Any]:
@@ -114,7 +117,7 @@ class ParallelContext:
         import torch.distributed as dist
 
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, value)
+        dist.all_gather_object(gathered, value, group=self.group)
         return gathered
 
     def close(self) -> None:
