@@ -96,7 +96,7 @@ outer_states = st.builds(
     halted=st.none() | text.filter(bool),
     signatures=st.lists(st.text("0123456789abcdef", min_size=1, max_size=16), max_size=8),
     fragments=st.builds(
-        lambda steps, files: MasterFragments.whole(
+        lambda steps, files: MasterFragments.unfragmented(
             steps=steps, versions=[s + 1 for s in steps], files=files[: len(steps)]
         ),
         st.lists(small_ints, max_size=4),

@@ -415,14 +415,17 @@ def screen_round(
     return contributions, rejected, threshold
 
 
-def _cap_contributions(contributions: list[Contribution], threshold: float, typical: float) -> None:
+def _cap_contributions(
+    contributions: list[Contribution], threshold: float, reference: float
+) -> None:
     """Scale each contribution down to its cap (see :func:`screen_round`): one delta at
-    ``threshold``; a sum of ``k`` at ``k x typical`` and at the round's middle part, so that
+    ``threshold``; a sum of ``k`` at ``k x reference`` (the typical delta norm the threshold
+    derives from) and at the round's middle part, so that
     sending many deltas never buys a node a larger part than the middle node's."""
     middle = lower_median([c.norm for c in contributions])
     for contribution in contributions:
         count = len(contribution.deltas)
-        cap = threshold if count == 1 else min(count * typical, middle)
+        cap = threshold if count == 1 else min(count * reference, middle)
         if contribution.norm > cap:
             contribution.scale = cap / contribution.norm
 

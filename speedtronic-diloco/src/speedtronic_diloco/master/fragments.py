@@ -44,7 +44,7 @@ class MasterFragments:
         self._published: dict[int, dict[str, Any]] = {}  # outer step -> its fragment info
 
     @classmethod
-    def whole(cls, **counters: Any) -> MasterFragments:
+    def unfragmented(cls, **counters: Any) -> MasterFragments:
         """A master's book of one fragment (no layout), with saved ``counters``."""
         return cls(FragmentPlan(None), **counters)
 

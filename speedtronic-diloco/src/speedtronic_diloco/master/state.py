@@ -61,7 +61,7 @@ class OuterState:
     rejections: list[dict[str, Any]] = field(default_factory=list)
     halted: str | None = None  # why the loop stopped publishing (a bad candidate), or None
     signatures: list[str] = field(default_factory=list)
-    fragments: MasterFragments = field(default_factory=MasterFragments.whole)
+    fragments: MasterFragments = field(default_factory=MasterFragments.unfragmented)
     rolled_back: dict[str, Any] | None = None  # the last `diloco rollback` that made this state
 
     def trimmed(self) -> OuterState:
@@ -114,7 +114,7 @@ def decode(tensors: Mapping[str, Any], meta: Mapping[str, str]) -> OuterState:
         rejections=[r for r in _listed(meta, "rejections") if isinstance(r, dict)],
         halted=meta.get("halted") or None,
         signatures=[str(s) for s in _listed(meta, "signatures")],
-        fragments=MasterFragments.whole(
+        fragments=MasterFragments.unfragmented(
             steps=[int(s) for s in saved.get("steps") or ()],
             versions=[int(s) for s in saved.get("versions") or ()],
             files=_files_from_json(saved.get("files")),
@@ -164,7 +164,7 @@ def from_checkpoint(data: Mapping[str, Any]) -> OuterState:
         processed=DeltaLedger.from_json(data.get("processed")),
         norm_history=[float(n) for n in data.get("norm_history") or ()],
         halted=data.get("halted") or None,
-        fragments=MasterFragments.whole(
+        fragments=MasterFragments.unfragmented(
             steps=[int(s) for s in data.get("fragment_steps") or ()],
             versions=[int(s) for s in data.get("fragment_versions") or ()],
             files=_files_from_json(data.get("fragment_files")),
