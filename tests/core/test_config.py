@@ -16,7 +16,7 @@ import yaml
 
 from speedtronic import hookimpl, plugins
 from speedtronic.config import SpeedtronicConfig, plugin_sections
-from speedtronic.config.schema import REDACTED, Section, option
+from speedtronic.schema import REDACTED, Section, option
 from speedtronic.engine.parts import accumulation_steps
 from speedtronic.errors import ConfigError, PluginError
 

@@ -12,7 +12,7 @@ from core.plugin_fixtures import THROWAWAY, plugin_env
 
 from speedtronic import cli, docgen, hookimpl, plugins
 from speedtronic.config import CORE_SECTIONS
-from speedtronic.config.schema import Section, option
+from speedtronic.schema import Section, option
 
 DOCS = Path(__file__).parents[2] / "docs"
 REGENERATE = "regenerate it: {command}"

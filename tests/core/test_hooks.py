@@ -22,7 +22,7 @@ import speedtronic
 from speedtronic import cli, hookimpl, hookspecs, plugins
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.config import sections as config_sections
-from speedtronic.config.schema import Section, option
+from speedtronic.schema import Section, option
 from speedtronic.data import build_dataloader
 from speedtronic.engine.runtime import build_runtime, train_from_config
 from speedtronic.errors import ConfigError

@@ -90,7 +90,7 @@ def test_import_speedtronic_imports_no_plugin_and_no_torch() -> None:
     code = (
         "import sys\n"
         "import speedtronic, speedtronic.config, speedtronic.cli, speedtronic.plugins\n"
-        "import speedtronic.config.schema, speedtronic.registry, speedtronic.hookspecs\n"
+        "import speedtronic.schema, speedtronic.registry, speedtronic.hookspecs\n"
         "speedtronic.SpeedtronicConfig, speedtronic.register_model, speedtronic.hookimpl\n"
         "names = ('speedtronic_diloco', 'speedtronic_models', 'speedtronic_logging', 'torch')\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in names))\n"

@@ -16,7 +16,7 @@ from core.toy_runs import merge_sections, tiny_transformer_run, train
 from torch.utils.data import Dataset, IterableDataset
 
 from speedtronic import hookimpl, plugins
-from speedtronic.config.schema import Section, option
+from speedtronic.schema import Section, option
 from speedtronic.errors import CheckpointError
 
 TOL = 1e-6

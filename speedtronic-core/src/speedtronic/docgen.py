@@ -22,7 +22,7 @@ from typing import Any
 
 from speedtronic import config as config_module
 from speedtronic import hookspecs
-from speedtronic.config.schema import BOUNDS, describe_type, field_hints
+from speedtronic.schema import BOUNDS, describe_type, field_hints
 
 __all__ = [
     "CONFIG_COMMAND",

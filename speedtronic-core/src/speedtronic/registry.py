@@ -14,9 +14,9 @@ import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from speedtronic.config.schema import IMPORT_PATH, suggest_key
 from speedtronic.errors import ConfigError, PluginError
 from speedtronic.hookspecs import hookimpl
+from speedtronic.schema import IMPORT_PATH, suggest_key
 
 __all__ = [
     "IMPORT_PATH",

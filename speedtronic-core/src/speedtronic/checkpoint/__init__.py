@@ -7,8 +7,9 @@ torch, so ``speedtronic data prepare`` can use it without paying for importing t
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from speedtronic._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from speedtronic.checkpoint.manager import (
@@ -45,7 +46,7 @@ __all__ = [
     "step_of",
 ]
 
-_MODULE_OF = {name: "manager" for name in __all__} | {
+_MODULE_OF: dict[str, str] = {name: "manager" for name in __all__} | {
     **dict.fromkeys(
         ("BEST_POINTER", "FORMAT_VERSION", "MANIFEST", "POINTER", "STATE", "TENSORS"), "reader"
     ),
@@ -55,15 +56,6 @@ _MODULE_OF = {name: "manager" for name in __all__} | {
     "SavedCheckpoint": "policy",
 }
 
-
-def __getattr__(name: str) -> Any:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module 'speedtronic.checkpoint' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"speedtronic.checkpoint.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(
+    __name__, {name: (module, name) for name, module in _MODULE_OF.items()}, __all__
+)

@@ -27,14 +27,6 @@ from speedtronic.config.files import (
     set_dotted,
     split_overrides,
 )
-from speedtronic.config.schema import (
-    REDACTED,
-    build_section,
-    coerce,
-    section_to_dict,
-    suggest_key,
-    unknown_key_error,
-)
 from speedtronic.config.sections import *  # noqa: F403 (the sections, re-exported)
 from speedtronic.config.sections import (
     CheckpointConfig,
@@ -52,6 +44,14 @@ from speedtronic.config.sections import (
     SchedulerConfig,
 )
 from speedtronic.errors import ConfigError, PluginError
+from speedtronic.schema import (
+    REDACTED,
+    build_section,
+    coerce,
+    section_to_dict,
+    suggest_key,
+    unknown_key_error,
+)
 
 # The sections are public here too: a config is read as speedtronic.config.<Section>.
 __all__ = ["REDACTED", *sections.__all__, "SpeedtronicConfig", "check_plain_data"]

@@ -22,8 +22,9 @@ do not pay for importing torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from speedtronic._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from speedtronic.data.format import FORMAT_VERSION
@@ -131,15 +132,4 @@ _EXPORTS: dict[str, tuple[str, str]] = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    try:
-        module, attribute = _EXPORTS[name]
-    except KeyError:
-        raise AttributeError(f"module 'speedtronic.data' has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(f"speedtronic.data.{module}"), attribute)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

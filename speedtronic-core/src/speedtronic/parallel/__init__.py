@@ -9,21 +9,28 @@
 (strategies by name). The cross-machine part is DumbDiLoCo.
 """
 
-from speedtronic.parallel.builtin import DataParallel, FullyShardedDataParallel
-from speedtronic.parallel.context import (
-    SINGLE_PROCESS,
-    ParallelContext,
-    init_parallel,
-    launched_world_size,
-)
-from speedtronic.parallel.registry import (
-    BUILTIN_STRATEGIES,
-    build_strategy,
-    known_strategies,
-    register_strategy,
-    unregister_strategy,
-)
-from speedtronic.parallel.strategy import ParallelStrategy, SingleProcess
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from speedtronic._lazy import by_module, lazy_exports
+
+if TYPE_CHECKING:
+    from speedtronic.parallel.builtin import DataParallel, FullyShardedDataParallel
+    from speedtronic.parallel.context import (
+        SINGLE_PROCESS,
+        ParallelContext,
+        init_parallel,
+        launched_world_size,
+    )
+    from speedtronic.parallel.registry import (
+        BUILTIN_STRATEGIES,
+        build_strategy,
+        known_strategies,
+        register_strategy,
+        unregister_strategy,
+    )
+    from speedtronic.parallel.strategy import ParallelStrategy, SingleProcess
 
 __all__ = [
     "BUILTIN_STRATEGIES",
@@ -40,3 +47,20 @@ __all__ = [
     "register_strategy",
     "unregister_strategy",
 ]
+
+_EXPORTS = by_module(
+    {
+        "registry": (
+            "BUILTIN_STRATEGIES",
+            "build_strategy",
+            "known_strategies",
+            "register_strategy",
+            "unregister_strategy",
+        ),
+        "builtin": ("DataParallel", "FullyShardedDataParallel"),
+        "context": ("ParallelContext", "SINGLE_PROCESS", "init_parallel", "launched_world_size"),
+        "strategy": ("ParallelStrategy", "SingleProcess"),
+    }
+)
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)
