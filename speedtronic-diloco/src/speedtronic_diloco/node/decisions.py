@@ -210,7 +210,9 @@ def apply(decision: Decision, ctx: NodeContext, own: OwnProgress, slot: ReadySlo
         _installed(decision, ctx, slot)
         return True
     if isinstance(decision, Deferred):
-        return _keep_ready(slot, decision.outer_step, decision.tensors, ctx, decision.info)
+        # Kept ready only while some of its fragments are still to install.
+        pending = bool(ctx.fragments.pending(decision.info))
+        return pending and _keep_ready(slot, decision.outer_step, decision.tensors)
     if isinstance(decision, Restored):
         return _restored(decision, ctx)
     return _resolved(decision, state)
@@ -255,17 +257,8 @@ def _installed(decision: Installed, ctx: NodeContext, slot: ReadySlot) -> None:
         state.pending = None  # that upload no longer moves its baseline
 
 
-def _keep_ready(
-    slot: ReadySlot,
-    outer_step: int,
-    tensors: TensorDict,
-    ctx: NodeContext | None = None,
-    info: FragmentInfo | None = None,
-) -> bool:
-    """Keep global ``outer_step`` ready unless a newer one already is (with ``ctx``: only
-    while some of its fragments, by ``info``, are still to install)."""
-    if ctx is not None and not ctx.fragments.pending(info):
-        return False
+def _keep_ready(slot: ReadySlot, outer_step: int, tensors: TensorDict) -> bool:
+    """Keep global ``outer_step`` ready unless a newer one already is."""
     if slot.ready is not None and slot.ready[0] >= outer_step:
         return False
     slot.ready = (outer_step, tensors)
