@@ -16,9 +16,9 @@ import yaml
 
 from speedtronic import hookimpl, plugins
 from speedtronic.config import SpeedtronicConfig, plugin_sections
-from speedtronic.schema import REDACTED, Section, option
 from speedtronic.engine.parts import accumulation_steps
 from speedtronic.errors import ConfigError, PluginError
+from speedtronic.schema import REDACTED, Section, option
 
 SAMPLE = {
     "name": "sample",

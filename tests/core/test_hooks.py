@@ -22,11 +22,11 @@ import speedtronic
 from speedtronic import cli, hookimpl, hookspecs, plugins
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.config import sections as config_sections
-from speedtronic.schema import Section, option
 from speedtronic.data import build_dataloader
 from speedtronic.engine.runtime import build_runtime, train_from_config
 from speedtronic.errors import ConfigError
 from speedtronic.registry import register_model, unregister_model
+from speedtronic.schema import Section, option
 
 DOCS = Path(__file__).parents[2] / "docs"
 TINY = "core_hooks_tiny"

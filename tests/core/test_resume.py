@@ -16,8 +16,8 @@ from core.toy_runs import merge_sections, tiny_transformer_run, train
 from torch.utils.data import Dataset, IterableDataset
 
 from speedtronic import hookimpl, plugins
-from speedtronic.schema import Section, option
 from speedtronic.errors import CheckpointError
+from speedtronic.schema import Section, option
 
 TOL = 1e-6
 
