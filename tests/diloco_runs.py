@@ -41,6 +41,9 @@ def tiny_run(tmp_path: Path, **sections: Mapping[str, Any] | None) -> dict[str, 
             "node_id": "m",
             "repo_id": f"file://{tmp_path}/store",
             "inner_steps": 4,
+            # Async: these runs are often a lone worker or a master whose workers are fakes;
+            # with sync rounds (the default) such a node would wait at every boundary.
+            "rounds": "async",
             "poll_interval": 0.05,
             "max_retries": 0,
         },

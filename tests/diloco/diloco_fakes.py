@@ -172,7 +172,9 @@ def nudge(model: nn.Module, amount: float = 0.01) -> None:
 
 
 def dist_config(**overrides: Any) -> DistributedConfig:
-    """A DistributedConfig for tests: no retry waits, synchronous unless asked otherwise."""
+    """A DistributedConfig for tests: no retry waits, uploads and polls on the training thread,
+    and async rounds unless asked otherwise (sync rounds wait at every boundary for a master
+    these in-process fixtures do not run)."""
     values: dict[str, Any] = dict(
         enabled=True,
         role="worker",
@@ -182,6 +184,7 @@ def dist_config(**overrides: Any) -> DistributedConfig:
         poll_interval=3600.0,
         outer_lr=1.0,
         outer_momentum=0.0,
+        rounds="async",
         async_delta_upload=False,
         async_global_poll=False,
         max_retries=2,

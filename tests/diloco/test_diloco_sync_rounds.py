@@ -30,15 +30,17 @@ class Node:
         self.model = make_net()
         self.coordinator = DumbDiLoCoCoordinator(
             dist_config(
-                role=role,
-                node_id=node_id,
-                repo_id=str(tmp_path / "store"),
-                inner_steps=H,
-                rounds="sync",
-                poll_interval=0.05,
-                async_delta_upload=True,
-                async_global_poll=True,
-                **config,
+                **{
+                    "role": role,
+                    "node_id": node_id,
+                    "repo_id": str(tmp_path / "store"),
+                    "inner_steps": H,
+                    "rounds": "sync",
+                    "poll_interval": 0.05,
+                    "async_delta_upload": True,
+                    "async_global_poll": True,
+                    **config,
+                }
             ),
             self.model,
             state_dir=tmp_path / "state",
@@ -117,6 +119,36 @@ def test_every_live_node_is_in_every_sync_round(tmp_path: Path) -> None:
     for name, value in final[1].items():
         if value.is_floating_point():
             torch.testing.assert_close(value, start_weights[name] + 3 * H * 0.01)
+
+
+def test_a_master_waiting_at_its_boundary_closes_the_round_whatever_poll_interval_is(
+    tmp_path: Path,
+) -> None:
+    # An hour between the master's regular looks (and the workers' polls between boundaries):
+    # the rounds still close, because a master waiting for its round wakes its outer thread
+    # at every look of its wait (at most a second apart).
+    hour = {"poll_interval": 3600.0, "round_timeout": SETTLE}
+    nodes = [
+        Node(tmp_path, "m", "master", min_deltas=3, **hour),
+        Node(tmp_path, "w1", "worker", **hour),
+        Node(tmp_path, "w2", "worker", **hour),
+    ]
+    start(nodes)
+    try:
+        for node in nodes:
+            node.run(3 * H)
+        for node in nodes:
+            node.join()  # within SETTLE: three rounds that each waited for an hourly look fail
+    finally:
+        stop(nodes)
+    assert [(r["outer_step"], r["reason"]) for r in rounds(nodes[0])] == [
+        (1, "quorum"),
+        (2, "quorum"),
+        (3, "quorum"),
+    ]
+    for node in nodes:
+        assert node.installed == [(2, 1), (4, 2), (6, 3)], node.coordinator.node_id
+        assert not [p for e, p in node.events if e == "round_wait_timeout"]
 
 
 def test_a_dead_node_is_dropped_after_round_timeout_and_rejoins(tmp_path: Path) -> None:

@@ -51,6 +51,21 @@ def test_a_turn_that_fails_is_logged_and_the_thread_goes_on() -> None:
     assert not thread.running
 
 
+def test_wake_runs_the_next_turn_now_instead_of_after_the_interval() -> None:
+    turns: list[int] = []
+    thread = OuterThread(lambda stop: turns.append(1), lambda: None)
+    thread.start(3600.0)  # without wake() a second turn would come in an hour
+    try:
+        wait_for(lambda: len(turns) >= 1, what="the first turn")
+        thread.wake()
+        wait_for(lambda: len(turns) >= 2, what="a turn right after wake()")
+        thread.wake()
+        wait_for(lambda: len(turns) >= 3, what="another turn after the next wake()")
+    finally:
+        assert thread.stop(10.0)  # stop() also ends the hour-long wait at once
+    assert not thread.running
+
+
 def test_a_lost_lease_ends_the_thread_with_the_failure_and_tells_the_lease() -> None:
     lease = Lease()
     turns: list[int] = []

@@ -7,6 +7,8 @@ import typing
 
 import pytest
 
+from speedtronic.errors import ConfigError
+from speedtronic_diloco.aggregation import AggregationRules
 from speedtronic_diloco.config import DistributedConfig
 from speedtronic_diloco.round_mode import ROUND_MODES, AsyncRounds, SyncRounds, round_mode
 
@@ -49,3 +51,31 @@ def test_what_a_node_and_the_aggregation_ask() -> None:
     assert not sync.keeps_own_progress
     assert not (asynchronous.waits_at_boundary or asynchronous.refuses_late)
     assert asynchronous.keeps_own_progress
+
+
+def test_the_defaults_are_the_outer_step_that_won_the_matrix() -> None:
+    # Issue 40: sync rounds, momentum 0.7 after an 8-round warm-up, and no momentum on a round
+    # of one node won every cell of the matrix (docs/diloco.md, "Real conditions").
+    section = DistributedConfig()
+    assert section.rounds == "sync" and round_mode(section.rounds).waits_at_boundary
+    assert (section.outer_lr, section.outer_momentum) == (0.7, 0.7)
+    assert (section.outer_warmup, section.momentum_min_nodes) == (8, 2)
+
+
+def test_streaming_fragments_without_a_rounds_key_name_the_fix() -> None:
+    with pytest.raises(ConfigError, match=r"sync \(the default\).*set rounds: async") as caught:
+        DistributedConfig(fragments=2, inner_steps=4)
+    assert caught.value.path == "rounds"
+    assert DistributedConfig(fragments=2, inner_steps=4, rounds="async").fragments == 2
+
+
+@pytest.mark.parametrize(
+    ("num_nodes", "min_deltas", "expected"),
+    [(None, None, None), (3, None, 3), (3, 2, 2), (None, 4, 4)],
+)
+def test_the_first_rounds_wait_for_num_nodes_unless_min_deltas_says_otherwise(
+    num_nodes: int | None, min_deltas: int | None, expected: int | None
+) -> None:
+    ranked = {"num_nodes": num_nodes, "node_rank": 0} if num_nodes else {}
+    section = DistributedConfig(min_deltas=min_deltas, **ranked)
+    assert AggregationRules.from_config(section).min_deltas == expected

@@ -74,6 +74,10 @@ def write_config(
             "poll_interval": 0.2,
             "outer_lr": 0.7,
             "outer_momentum": 0.5,
+            # Most e2e tests stop, kill or restart nodes mid-run: async rounds, so that the
+            # others never wait for them (the rounds tests set `rounds: sync` themselves).
+            "rounds": "async",
+            "momentum_min_nodes": 1,
             "retry_backoff": 0.1,
             "max_retries": None,
         },

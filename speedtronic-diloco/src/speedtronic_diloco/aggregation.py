@@ -97,7 +97,7 @@ class AggregationRules:
     @classmethod
     def from_config(cls, config: Any, signing_key: bytes | None = None) -> AggregationRules:
         return cls(
-            min_deltas=config.min_deltas,
+            min_deltas=config.min_deltas if config.min_deltas is not None else config.num_nodes,
             round_timeout=config.round_timeout,
             max_delta_bytes=config.max_delta_bytes,
             max_norm_ratio=config.max_norm_ratio,

@@ -81,7 +81,13 @@ class DistributedConfig(Section):
     outer_lr: float = option(
         0.7, gt=0, le=MAX_OUTER_LR, help="Learning rate of the outer Nesterov SGD (at most 10)."
     )
-    outer_momentum: float = option(0.9, ge=0, lt=1, help="Momentum of the outer Nesterov SGD.")
+    outer_momentum: float = option(
+        0.7,
+        ge=0,
+        lt=1,
+        help="Momentum of the outer Nesterov SGD. 0.7 measured best from scratch at small H "
+        "(0.9, the DiLoCo paper's, overshot; docs/diloco.md).",
+    )
     reset_inner_optimizer: bool = option(
         False,
         help="Clear the inner optimizer's state whenever a delta is pushed or a new global "
@@ -175,12 +181,12 @@ class DistributedConfig(Section):
     )
     # --- rounds (issue 23, 29)
     rounds: Literal["async", "sync"] = option(
-        "async",
-        help="`async`: nodes never wait; a global arrives when it arrives and is installed at a "
-        "later boundary (deltas about one outer step stale). `sync`: every node waits at its "
-        "boundary for the global of that round (as DiLoCo does); the master closes a round once "
-        "every live node delivered, or after `round_timeout` without the missing ones, who "
-        "rejoin at the next round.",
+        "sync",
+        help="`sync` (the default): every node waits at its boundary for the global of that "
+        "round (as DiLoCo does); the master closes a round once every live node delivered, or "
+        "after `round_timeout` without the missing ones, who rejoin at the next round. "
+        "`async`: nodes never wait; a global arrives when it arrives and is installed at a "
+        "later boundary (deltas about one outer step stale); streaming fragments need it.",
     )
     min_deltas: int | None = option(
         None,
@@ -188,7 +194,8 @@ class DistributedConfig(Section):
         le=1_000_000,
         help="Master: start an outer step once deltas of this many distinct nodes are pending "
         "(once this many were seen, at most the live ones: not left, heard from within "
-        "lease_ttl and 2 x round_timeout); default: every live node (1 before any is known).",
+        "lease_ttl and 2 x round_timeout); default: `num_nodes` when set, else every live node "
+        "(1 before any is known).",
     )
     round_timeout: float = option(
         120.0,
@@ -256,12 +263,13 @@ class DistributedConfig(Section):
         "behind the current one.",
     )
     momentum_min_nodes: int = option(
-        1,
+        2,
         ge=1,
         le=1_000_000,
         help="Master: a round averaging fewer distinct nodes than this steps without outer "
         "momentum (plain SGD at outer_lr; the momentum buffer keeps its value), so a thin "
-        "round is not amplified by the momentum of the full ones.",
+        "round is not amplified by the momentum of the full ones. Default 2: a round of one "
+        "node (a round that timed out, a straggler's last delta) gets no momentum.",
     )
     outer_warmup: int = option(
         8,
@@ -362,8 +370,8 @@ class DistributedConfig(Section):
             )
         if self.rounds == "sync" and self.fragments > 1:
             raise ConfigError(
-                "streaming fragments (fragments > 1) work with async rounds only; set rounds: "
-                "async or fragments: 1",
+                "is sync (the default), but streaming fragments (fragments > 1) work with "
+                "async rounds only; set rounds: async or fragments: 1",
                 "rounds",
             )
         if self.fragments > self.inner_steps:

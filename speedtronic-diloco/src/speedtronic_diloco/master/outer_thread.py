@@ -1,6 +1,7 @@
 """The master's outer thread: :class:`OuterThread` runs one turn of the outer loop every
-``interval`` seconds in a daemon thread, outlives a bad turn, and ends (recording why in
-:attr:`OuterThread.failure`) on a lost lease or anything that is not an ``Exception``."""
+``interval`` seconds (at once when woken) in a daemon thread, outlives a bad turn, and ends
+(recording why in :attr:`OuterThread.failure`) on a lost lease or anything that is not an
+``Exception``."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ class OuterThread:
         self._lease = lease
         #: Set to end the thread; long waits inside a turn watch it too.
         self.stop_event = threading.Event()
+        #: Set to run the next turn now instead of after the rest of the interval.
+        self._wake = threading.Event()
         #: What ended the thread (a lost lease, an unexpected error), or None.
         self.failure: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -35,6 +38,7 @@ class OuterThread:
         if self._thread is not None and self._thread.is_alive():
             return
         self.stop_event = threading.Event()
+        self._wake = threading.Event()
         self._thread = threading.Thread(
             target=self._run, args=(interval,), name="diloco-outer", daemon=True
         )
@@ -43,17 +47,24 @@ class OuterThread:
     def stop(self, timeout: float = 10.0) -> bool:
         """Ask the thread to stop after its current turn; True when it ended in time."""
         self.stop_event.set()
+        self._wake.set()
         if self._thread is None:
             return True
         self._thread.join(max(0.0, timeout))
         return not self._thread.is_alive()
+
+    def wake(self) -> None:
+        """Run the next turn as soon as the current one (if any) ends. A sync-round master
+        waiting at its boundary wakes its outer thread at every look, so the round closes
+        within a look of its last delta whatever ``poll_interval`` is."""
+        self._wake.set()
 
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
     def _run(self, interval: float) -> None:
-        stop = self.stop_event
+        stop, wake = self.stop_event, self._wake
         try:
             while not stop.is_set():
                 lease = self._lease()
@@ -69,7 +80,8 @@ class OuterThread:
                     raise
                 except Exception:  # the outer thread must outlive one bad round
                     log.exception("outer round failed")
-                stop.wait(max(interval, 0.05))
+                wake.wait(max(interval, 0.05))
+                wake.clear()
         except BaseException as exc:  # never end silently: the coordinator stops the run
             self.failure = exc
             if isinstance(exc, LeaseError) and getattr(self._lease(), "failover", False):

@@ -76,6 +76,7 @@ def await_round(
         installed = None
         if outer is not None:
             outer.raise_if_failed()  # a dead outer thread stops the run, loudly
+            outer.thread.wake()  # the round may be complete now: look at once, not in poll_interval
             snapshot = outer.snapshot()
             if snapshot is not None and snapshot[0] > base:
                 installed = installer.install(model, *snapshot, due=due)
