@@ -265,6 +265,8 @@ def train_diloco(setting: Setting, seed: int, steps: int, root: Path, text: Path
             poll_interval=0.0,
             outer_lr=0.7,
             outer_momentum=0.9,
+            rounds="async",  # measured before sync rounds were the default
+            momentum_min_nodes=1,
             async_delta_upload=False,
             async_global_poll=False,
             max_retries=0,
@@ -367,6 +369,8 @@ def train_async(
             poll_interval=0.05,
             outer_lr=0.7,
             outer_momentum=momentum,
+            rounds="async",  # measured before sync rounds were the default
+            momentum_min_nodes=1,
             min_deltas=2,
             round_timeout=30.0,
             install_at="boundary",

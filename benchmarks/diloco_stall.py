@@ -130,6 +130,7 @@ def run(mode: str, steps: int, inner: int, root: Path, params: dict[str, int]) -
         repo_id=str(root / "store"),
         inner_steps=inner,
         poll_interval=3600.0,
+        rounds="async",  # a stand-in master on a timer: the worker never waits for it
         async_delta_upload=asynchronous,
         async_global_poll=asynchronous,
         max_retries=0,

@@ -84,6 +84,8 @@ def run(
             poll_interval=3600.0,
             outer_lr=0.7,
             outer_momentum=0.9,
+            rounds="async",  # measured before sync rounds were the default
+            momentum_min_nodes=1,
             async_delta_upload=False,
             async_global_poll=False,
             max_retries=0,
