@@ -64,6 +64,7 @@ from diloco_processes import (
 from diloco_quality import DEFAULT_CORPUS, DEMO_CONFIG, prepare_corpus
 from results import emit
 
+from speedtronic_diloco.config import DistributedConfig
 from speedtronic_diloco.transports import GlobalMetadata, Lease
 from speedtronic_diloco.transports.base import GLOBAL_METADATA, LEASE_FILE
 
@@ -429,7 +430,7 @@ def main() -> None:
         if args.workdir is None:
             shutil.rmtree(root, ignore_errors=True)
     section = yaml.safe_load(args.config.read_text()).get("distributed", {})
-    mode = args.rounds or section.get("rounds", "async")
+    mode = args.rounds or section.get("rounds", DistributedConfig().rounds)
     setting = (
         f"{args.config.name} ({mode} rounds, min_deltas {section.get('min_deltas')}, "
         f"round_timeout {section.get('round_timeout')} s), {args.corpus.name}, m "

@@ -245,6 +245,64 @@ def test_master_rounds_continue_with_the_live_nodes(tmp_path: Path) -> None:
     assert loop.tick() is None
 
 
+def test_sync_rounds_wait_for_the_last_rounds_nodes_however_long_an_inner_loop_takes(
+    tmp_path: Path,
+) -> None:
+    """An inner loop longer than the liveness window (2 x round_timeout) must not let a sync
+    round close with the first node back: the others' deltas would all be refused ``late``.
+    The nodes of the last round are expected back; an async round goes on with the live ones."""
+    clock = FakeClock()
+    store = shared(tmp_path)
+    rules = {"rounds": "sync", "round_timeout": 60.0}
+    loop = master(store, tmp_path, rules=rules, clock=clock)
+    assert loop.policy.recent_s == 120.0
+    for node in ("m", "w1", "w2"):
+        upload(store, tmp_path, node, 5, base=0)
+    first = loop.tick()
+    assert first is not None and set(first.nodes) == {"m", "w1", "w2"}
+    clock.now += 300.0  # a five-minute inner loop
+    upload(store, tmp_path, "m", 10, base=1)
+    assert loop.tick() is None  # w1 and w2 are training: waited for
+    assert loop.policy.needed() == 3
+    upload(store, tmp_path, "w1", 10, base=1)
+    upload(store, tmp_path, "w2", 10, base=1)
+    second = loop.tick()
+    assert second is not None and second.reason == "quorum"
+    assert set(second.nodes) == {"m", "w1", "w2"} and not second.rejected
+    clock.now += 300.0
+    upload(store, tmp_path, "m", 15, base=2)
+    upload(store, tmp_path, "w1", 15, base=2)
+    assert loop.tick() is None  # w2 died: one round_timeout, then the round goes on without it
+    clock.now += 61.0
+    third = loop.tick()
+    assert third is not None and third.reason == "timeout" and set(third.nodes) == {"m", "w1"}
+    clock.now += 300.0
+    upload(store, tmp_path, "m", 20, base=3)
+    upload(store, tmp_path, "w1", 20, base=3)
+    fourth = loop.tick()
+    assert fourth is not None and fourth.reason == "quorum"  # w2 no longer waited for
+    asynchronous = RoundPolicy.of(AggregationRules(round_timeout=60.0), clock)
+    for node in ("m", "w1"):
+        asynchronous.saw(node)
+    asynchronous.round_done(["m", "w1"])
+    clock.now += 300.0
+    asynchronous.saw("m")
+    assert asynchronous.needed() == 1  # async: the live nodes only, as before
+
+
+def test_a_successors_first_sync_round_expects_the_runs_known_nodes() -> None:
+    """A successor has seen nobody yet: told the run's nodes, its first sync round waits for
+    all of them but the master it replaced (presumed gone), not for the first one back."""
+    clock = FakeClock()
+    successor = RoundPolicy.of(AggregationRules(rounds="sync", round_timeout=60.0), clock)
+    successor.known({"m", "w1", "w2"})
+    successor.left({"m"})  # the dead master (failover.succeed presumes it gone)
+    successor.saw("w1")
+    assert successor.needed() == 2 and not successor.decide(["w1"]).go
+    successor.saw("w2")
+    assert successor.decide(["w1", "w2"]).go
+
+
 def test_the_master_ignores_a_hostile_left_record(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

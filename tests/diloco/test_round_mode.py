@@ -63,7 +63,9 @@ def test_the_defaults_are_the_outer_step_that_won_the_matrix() -> None:
 
 
 def test_streaming_fragments_without_a_rounds_key_name_the_fix() -> None:
-    with pytest.raises(ConfigError, match=r"sync \(the default\).*set rounds: async") as caught:
+    with pytest.raises(
+        ConfigError, match=r"sync \(the default when unset\).*set rounds: async"
+    ) as caught:
         DistributedConfig(fragments=2, inner_steps=4)
     assert caught.value.path == "rounds"
     assert DistributedConfig(fragments=2, inner_steps=4, rounds="async").fragments == 2

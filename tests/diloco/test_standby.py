@@ -226,6 +226,55 @@ def test_a_fenced_master_with_failover_goes_on_as_a_worker(
     m1.stop()
 
 
+def test_a_master_fenced_while_it_waits_for_its_sync_round_goes_on_as_a_worker(
+    tmp_path: Path,
+) -> None:
+    """A sync master waits at its boundary for a round that needs a second node; another
+    master takes the lease meanwhile. The wait ends (no OuterLoopStopped) and the node trains
+    on as a worker."""
+    store = SharedDirectoryTransport(tmp_path / "store")
+    m1 = DumbDiLoCoCoordinator(
+        dist_config(
+            role="master",
+            node_id="m1",
+            lease_ttl=TTL,
+            failover=True,
+            poll_interval=0.05,
+            rounds="sync",
+            min_deltas=2,
+            round_timeout=3600.0,
+        ),
+        make_net(),
+        hub=store,
+        state_dir=tmp_path / "m1",
+    )
+    m1.start()
+    wait_for(lambda: store.read_global_metadata() is not None, what="m1's first global")
+    failures: list[BaseException] = []
+
+    def boundary() -> None:
+        try:
+            for step in (1, 2):  # inner_steps 2: step 2 delivers, then waits for the round
+                nudge(m1.model)
+                m1.after_optimizer_step(m1.model, step)
+        except BaseException as exc:
+            failures.append(exc)
+
+    trainer = threading.Thread(target=boundary, daemon=True)
+    trainer.start()
+    wait_for(lambda: bool(store.list_deltas()), what="m1's delta")
+    now = time.time()
+    put_lease(store, Lease("w2", m1.outer.lease.epoch + 1, now + 60, now, "y"))
+    trainer.join(SETTLE)
+    assert not trainer.is_alive(), "the fenced master still waits for its round"
+    assert not failures, failures
+    nudge(m1.model)
+    m1.after_optimizer_step(m1.model, 3)
+    assert m1.outer is None  # a worker now
+    assert store.read_lease().holder == "w2"
+    m1.stop()
+
+
 def test_status_shows_the_holder_the_standbys_and_when_the_lease_lapses(
     store: Transport, tmp_path: Path
 ) -> None:

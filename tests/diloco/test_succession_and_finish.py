@@ -36,6 +36,7 @@ def test_a_successor_does_not_wait_for_nodes_to_arrive() -> None:
     assert fresh.needed() == 3 and not fresh.decide(["w1", "w2"]).go
     successor = RoundPolicy.of(rules, clock)
     successor.known({"m", "w1", "w2"})
+    successor.left({"m"})  # the master it replaced, presumed gone (failover.succeed)
     successor.saw("w1")
     successor.saw("w2")
     assert successor.needed() == 2 and successor.decide(["w1", "w2"]).go

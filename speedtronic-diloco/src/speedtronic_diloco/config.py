@@ -370,8 +370,8 @@ class DistributedConfig(Section):
             )
         if self.rounds == "sync" and self.fragments > 1:
             raise ConfigError(
-                "is sync (the default), but streaming fragments (fragments > 1) work with "
-                "async rounds only; set rounds: async or fragments: 1",
+                "is sync (the default when unset), but streaming fragments (fragments > 1) "
+                "work with async rounds only; set rounds: async or fragments: 1",
                 "rounds",
             )
         if self.fragments > self.inner_steps:

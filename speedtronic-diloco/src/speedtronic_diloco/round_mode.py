@@ -31,6 +31,9 @@ class RoundMode:
     keeps_own_progress: ClassVar[bool] = True
     #: A delta computed from an older global than the round's is refused (``late``).
     refuses_late: ClassVar[bool] = False
+    #: The nodes of the last round are expected in the next one however long ago they were
+    #: seen (an inner loop may take longer than the liveness window).
+    expects_last_round: ClassVar[bool] = False
 
     def needed(self, live: int, floor: int, arrived: bool, min_deltas: int | None) -> int:
         """How many distinct nodes a round waits for: ``live`` nodes now, ``floor`` the first
@@ -64,6 +67,7 @@ class SyncRounds(RoundMode):
     waits_for_first_global = True
     keeps_own_progress = False  # a node installs the global its delta went into
     refuses_late = True
+    expects_last_round = True  # they all wait for this round's global, so all come back
 
     def needed(self, live: int, floor: int, arrived: bool, min_deltas: int | None) -> int:
         """Every live node (and the first rounds' count until that many arrived)."""

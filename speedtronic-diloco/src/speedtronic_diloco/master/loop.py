@@ -232,7 +232,7 @@ class MasterOuterLoop:
                 return None
             result = self._round(abort, listing, decision, waiting=True)
             if result is not None:
-                self.policy.round_done()
+                self.policy.round_done(result.nodes)
             return result
 
     def _new_deltas(self, listing: list[DeltaInfo]) -> list[DeltaInfo]:

@@ -33,7 +33,8 @@ class RoundPolicy:
     """When the master starts an outer step (see the module docstring).
 
     Rounds count *live* nodes: seen within ``recent_s`` seconds (default 2 x
-    ``round_timeout``), not :meth:`left`, last delta not rejected. ``min_deltas`` None means
+    ``round_timeout``; with ``rounds: sync`` also every node of the last round), not
+    :meth:`left`, last delta not rejected. ``min_deltas`` None means
     every live node, or 1 when none is known yet; a number is what the first rounds wait for,
     then at most the live nodes. ``clock`` returns seconds (monotonic)."""
 
@@ -65,6 +66,7 @@ class RoundPolicy:
         self._since: float | None = None
         self._failing: set[str] = set()  # nodes whose last delta was rejected
         self._left: set[str] = set()  # nodes that said they ended (left records)
+        self._last_round: set[str] = set()  # expected again (when the mode says so)
 
     def saw(self, node_id: str) -> None:
         """A new delta of ``node_id`` was listed now."""
@@ -74,8 +76,13 @@ class RoundPolicy:
     def known(self, nodes: Iterable[str]) -> None:
         """The run had ``nodes`` before this policy saw any of them (a successor master
         adopting the store's outer state): its first rounds are over, so ``min_deltas`` no
-        longer waits for nodes to arrive; only the live ones count."""
+        longer waits for nodes to arrive; only the live ones count. With ``rounds: sync`` the
+        first round expects all of ``nodes`` (less those gone), as if they were the last
+        round's: they wait at their boundaries for it."""
+        nodes = set(nodes)
         self._ever.update(nodes)
+        if self.mode.expects_last_round:
+            self._last_round = nodes
 
     def rejected(self, node_id: str) -> None:
         """``node_id``'s delta was rejected: it is not waited for, nor counted toward a
@@ -93,13 +100,11 @@ class RoundPolicy:
         self._left = set(nodes)
 
     def recent_nodes(self) -> set[str]:
-        """The live nodes: seen within ``recent_s``, not left, last delta not rejected."""
+        """The live nodes: seen within ``recent_s`` (or in the last round, when the round mode
+        expects them back), not left, last delta not rejected."""
         now = self.clock()
-        return {
-            node
-            for node, at in self._seen.items()
-            if now - at <= self.recent_s and node not in self._failing | self._left
-        }
+        seen = {node for node, at in self._seen.items() if now - at <= self.recent_s}
+        return (seen | self._last_round) - self._failing - self._left
 
     def needed(self) -> int:
         """How many nodes a round waits for. ``min_deltas`` is what the first rounds wait for,
@@ -134,6 +139,11 @@ class RoundPolicy:
             return RoundDecision(True, "timeout", need, have, waited)
         return RoundDecision(False, "waiting", need, have, waited)
 
-    def round_done(self) -> None:
-        """A round consumed the pending deltas: the next wait starts with the next delta."""
+    def round_done(self, nodes: Iterable[str] = ()) -> None:
+        """A round of ``nodes`` consumed the pending deltas: the next wait starts with the next
+        delta. With ``rounds: sync`` the next round expects ``nodes`` back, however long their
+        inner loops take (a node seen only within ``recent_s`` would otherwise drop out of the
+        round while it trains, and the round close without it)."""
         self._since = None
+        if self.mode.expects_last_round:
+            self._last_round = set(nodes)

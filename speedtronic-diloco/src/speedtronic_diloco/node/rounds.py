@@ -20,6 +20,7 @@ from speedtronic_diloco.node.context import NodeContext
 from speedtronic_diloco.node.install import Installer
 from speedtronic_diloco.node.lanes import Lane
 from speedtronic_diloco.round_mode import round_mode
+from speedtronic_diloco.transports.base import LeaseError
 
 __all__ = ["SYNC_POLL_S", "await_first_global", "await_round", "join_run"]
 
@@ -75,6 +76,8 @@ def await_round(
     while True:
         installed = None
         if outer is not None:
+            if ctx.config.failover and isinstance(outer.failure, LeaseError):
+                return False  # fenced: the next step goes on as a worker (node.failover)
             outer.raise_if_failed()  # a dead outer thread stops the run, loudly
             outer.thread.wake()  # the round may be complete now: look at once, not in poll_interval
             snapshot = outer.snapshot()
