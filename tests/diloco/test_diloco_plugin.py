@@ -360,3 +360,21 @@ def test_two_runs_in_two_threads_keep_their_own_coordinator_and_events(
     assert not any(thread.is_alive() for thread in threads), "a run did not finish"
     assert errors == []
     assert_runs_kept_apart(recorder, runs)
+
+
+def test_a_group_nodes_sync_wait_must_fit_its_collective_timeout() -> None:
+    """A DDP/FSDP node's rank 0 may wait 2 x round_timeout at a sync boundary while its other
+    ranks wait in a collective: a round_timeout that outlasts parallel.timeout is refused,
+    naming both and the values that fit; async rounds never wait there."""
+    from speedtronic.errors import PluginError
+    from speedtronic_diloco.plugin import check_group_waits
+
+    section = DistributedConfig(enabled=True, repo_id="x", rounds="sync", round_timeout=300.0)
+    with pytest.raises(PluginError) as caught:
+        check_group_waits(section, 600.0)
+    message = str(caught.value)
+    assert "distributed.round_timeout" in message and "parallel.timeout (600 s)" in message
+    assert "at most 270 s" in message and "at least 660 s" in message
+    check_group_waits(DistributedConfig(enabled=True, repo_id="x", rounds="sync"), 600.0)
+    asynchronous = DistributedConfig(enabled=True, repo_id="x", rounds="async", round_timeout=300)
+    check_group_waits(asynchronous, 600.0)

@@ -167,6 +167,7 @@ def on_train_start(trainer: Any) -> None:
                 "globals at its inner-loop boundaries only, where its ranks agree; set it to "
                 "boundary"
             )
+        check_group_waits(section, trainer.config.parallel.timeout)
         trainer.reset_optimizer_on_weight_replace = section.reset_inner_optimizer
         if trainer.strategy.shards_parameters:
             from speedtronic_diloco.node.sharded import ShardedGroup
@@ -193,6 +194,32 @@ def on_train_start(trainer: Any) -> None:
     coordinator.start()
     if parallel.enabled:
         _weights_from_main(run, trainer.model)  # the start may have installed the current global
+
+
+#: Seconds of a group's collective timeout kept for what rank 0 does at a boundary besides
+#: waiting for its round (the delta's upload, the global's download).
+GROUP_WAIT_MARGIN_S = 60.0
+
+
+def check_group_waits(section: DistributedConfig, collective_timeout: float) -> None:
+    """A node that is a DDP or FSDP group with ``rounds: sync``: rank 0 may wait up to 2 x
+    ``round_timeout`` at a boundary (and for the first global) while the other ranks wait in a
+    collective, which fails after ``parallel.timeout``. PluginError naming both unless that
+    wait plus :data:`GROUP_WAIT_MARGIN_S` fits."""
+    from speedtronic_diloco.round_mode import round_mode
+
+    if not round_mode(section.rounds).waits_at_boundary:
+        return
+    longest = 2 * section.round_timeout + GROUP_WAIT_MARGIN_S
+    if longest > collective_timeout:
+        raise PluginError(
+            f"distributed.round_timeout: {section.round_timeout:g} s is too long for a node that "
+            f"is a DDP or FSDP group: with rounds: sync its rank 0 may wait 2 x round_timeout at "
+            f"a boundary while the other ranks wait in a collective, which fails after "
+            f"parallel.timeout ({collective_timeout:g} s); set round_timeout to at most "
+            f"{max(0.0, (collective_timeout - GROUP_WAIT_MARGIN_S) / 2):g} s or raise "
+            f"parallel.timeout to at least {longest:g} s"
+        )
 
 
 def _coordinated(run: DiLoCoRun, model: Any) -> Any:
