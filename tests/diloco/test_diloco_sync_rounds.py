@@ -16,8 +16,12 @@ from typing import Any
 import pytest
 import torch
 from diloco_fakes import SETTLE, dist_config, make_net, nudge, wait_for
+from hub_emulator import HubEmulator
+from hub_fixtures import hub_fixture, transport  # noqa: F401
 
 from speedtronic_diloco.coordinator import DumbDiLoCoCoordinator
+from speedtronic_diloco.node.rounds import wait_look_interval
+from speedtronic_diloco.transports.shared_dir import SharedDirectoryTransport
 
 H = 2  # inner steps per round
 
@@ -247,3 +251,17 @@ def test_rounds_key_is_validated(rounds_mode: str) -> None:
             dist_config(rounds="sync", inner_steps=4, fragments=2)
     else:
         assert dist_config(rounds="async", inner_steps=4, fragments=2).fragments == 2
+
+
+def test_a_waiting_node_looks_once_a_second_and_on_the_hub_every_two(
+    tmp_path: Path, hub: HubEmulator
+) -> None:
+    """A wait's looks: ``poll_interval`` capped at 1 s, never a spin, and on the Hub (which
+    rate-limits API calls) at least 2 s apart, since a waiting master's look lists the repo."""
+    shared = SharedDirectoryTransport(tmp_path / "store")
+    assert wait_look_interval(60.0, shared) == 1.0
+    assert wait_look_interval(0.2, shared) == 0.2
+    assert wait_look_interval(0.0, shared) == 0.05
+    on_hub = transport(hub)
+    assert wait_look_interval(60.0, on_hub) == 2.0
+    assert wait_look_interval(0.0, on_hub) == 2.0

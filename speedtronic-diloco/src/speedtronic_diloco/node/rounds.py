@@ -20,9 +20,9 @@ from speedtronic_diloco.node.context import NodeContext
 from speedtronic_diloco.node.install import Installer
 from speedtronic_diloco.node.lanes import Lane
 from speedtronic_diloco.round_mode import round_mode
-from speedtronic_diloco.transports.base import LeaseError
+from speedtronic_diloco.transports.base import LeaseError, Transport
 
-__all__ = ["SYNC_POLL_S", "await_first_global", "await_round", "join_run"]
+__all__ = ["SYNC_POLL_S", "await_first_global", "await_round", "join_run", "wait_look_interval"]
 
 log = logging.getLogger("speedtronic.diloco")
 
@@ -34,8 +34,16 @@ SYNC_POLL_S = 1.0
 SYNC_POLL_MIN_S = 0.05
 
 
+def wait_look_interval(poll_interval: float, transport: Transport) -> float:
+    """Seconds between two looks of a waiting node: ``poll_interval`` capped at
+    :data:`SYNC_POLL_S`, at least :data:`SYNC_POLL_MIN_S` and the store's
+    ``min_wait_look_s`` (the Hub's is 2 s)."""
+    shortest = max(SYNC_POLL_MIN_S, transport.min_wait_look_s)
+    return max(shortest, min(poll_interval, SYNC_POLL_S))
+
+
 def _interval(ctx: NodeContext) -> float:
-    return max(SYNC_POLL_MIN_S, min(ctx.config.poll_interval, SYNC_POLL_S))
+    return wait_look_interval(ctx.config.poll_interval, ctx.transport)
 
 
 def await_first_global(ctx: NodeContext) -> Any:

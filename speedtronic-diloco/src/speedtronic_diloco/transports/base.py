@@ -480,6 +480,7 @@ class Transport(ABC):
     #: True where :meth:`publish_fragments` is implemented (else a master with streaming
     #: fragments publishes the whole global with :meth:`publish_global`).
     supports_fragment_files: bool = False
+    min_wait_look_s: float = 0.0  # shortest pause (s) between a sync wait's looks (node.rounds)
 
     @abstractmethod
     def create_store(self, *, private: bool = True) -> None:
@@ -509,15 +510,13 @@ class Transport(ABC):
     def publish_fragments(
         self, files: Mapping[int, Path], metadata: GlobalMetadata
     ) -> GlobalMetadata:
-        """Publish the fragment files ``files`` (fragment index -> local file, possibly none)
-        and ``metadata`` as one atomic change: a reader sees the old metadata or the new one,
-        and every file the new one lists is in the store when it does. ``metadata`` lists
-        every fragment in ``fragment_files``; the entries of ``files`` carry their sha256,
-        size and outer step (checked against the files here) and get their ``file`` (the
-        store path) from the transport, the others are the current files, kept. Returns the
-        metadata as published, ``model_file``/``sha256``/``size`` those of the first file
-        published (unchanged when none was). :class:`UnsupportedOperation` where the store
-        cannot (``supports_fragment_files`` is False)."""
+        """Publish the fragment files ``files`` (fragment index -> local file, maybe none) and
+        ``metadata`` as one atomic change: a reader sees the old metadata or the new one, and
+        then every file it lists. ``metadata.fragment_files`` lists every fragment; entries of
+        ``files`` carry sha256, size and outer step (checked here) and get their store path
+        (``file``) from the transport; the others are kept. Returns the metadata as published
+        (``model_file``/``sha256``/``size``: the first file published, unchanged if none).
+        :class:`UnsupportedOperation` where ``supports_fragment_files`` is False."""
         raise UnsupportedOperation(f"{self.description}: fragment files are not supported")
 
     @abstractmethod

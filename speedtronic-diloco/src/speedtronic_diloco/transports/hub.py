@@ -133,6 +133,7 @@ class HubTransport(Transport):
     """
 
     supports_fragment_files = True
+    min_wait_look_s = 2.0  # the Hub rate-limits API calls; a waiting master's look lists the repo
 
     def __init__(
         self,
