@@ -275,6 +275,71 @@ def test_a_master_fenced_while_it_waits_for_its_sync_round_goes_on_as_a_worker(
     m1.stop()
 
 
+def test_a_take_over_while_nodes_wait_at_their_sync_boundary_closes_their_round(
+    tmp_path: Path,
+) -> None:
+    """The master died before the round of w1 and w2 closed; w1 takes over while both wait at
+    their boundaries. Its outer thread looks only every ``poll_interval`` (an hour here, so its
+    standby check runs by hand), but the waiting w1 wakes it at every look: the round of both
+    closes and both go on."""
+    store = SharedDirectoryTransport(tmp_path / "store")
+    m1 = DumbDiLoCoCoordinator(
+        dist_config(role="master", node_id="m1", lease_ttl=TTL, rounds="sync"),
+        make_net(),
+        hub=store,
+        state_dir=tmp_path / "m1",
+    )
+    m1.start()
+    wait_for(lambda: store.read_global_metadata() is not None, what="m1's first global")
+    m1.outer.stop()
+    m1.outer.lease.mark_lost("simulated death")  # no release: the lease lapses
+    slow = {"poll_interval": 3600.0, "round_timeout": 3600.0, "rounds": "sync", "min_deltas": 2}
+    w1 = DumbDiLoCoCoordinator(
+        dist_config(node_id="w1", failover=True, lease_ttl=TTL, **slow),
+        make_net(),
+        hub=store,
+        state_dir=tmp_path / "w1",
+    )
+    w2 = DumbDiLoCoCoordinator(
+        dist_config(node_id="w2", **slow), make_net(), hub=store, state_dir=tmp_path / "w2"
+    )
+    failures: list[BaseException] = []
+
+    def boundary(node: DumbDiLoCoCoordinator) -> None:
+        try:
+            for step in (1, 2):  # inner_steps 2: step 2 delivers, then waits for the round
+                nudge(node.model)
+                node.after_optimizer_step(node.model, step)
+        except BaseException as exc:
+            failures.append(exc)
+
+    w1.start()
+    w2.start()
+    first = threading.Thread(target=boundary, args=(w1,), daemon=True)
+    first.start()
+    wait_for(lambda: any(i.node_id == "w1" for i in store.list_deltas()), what="w1's delta")
+    assert w1.failover is not None
+    won = None
+    deadline = time.monotonic() + SETTLE
+    while won is None:  # the lease lapses TTL after m1's last renewal
+        assert time.monotonic() < deadline, "the lease never lapsed"
+        won = w1.failover.standby.check()
+        time.sleep(0.05)
+    w1.failover._won(won)  # what the watch thread does at the poll that wins
+    second = threading.Thread(target=boundary, args=(w2,), daemon=True)
+    second.start()
+    first.join(SETTLE)
+    second.join(SETTLE)
+    assert not first.is_alive() and not second.is_alive(), "the round never closed"
+    assert not failures, failures
+    meta = store.read_global_metadata()
+    assert meta is not None and meta.master == "w1" and meta.outer_step == 1
+    assert meta.deltas_included == 2
+    w1.stop()
+    w2.stop()
+    m1.stop()
+
+
 def test_status_shows_the_holder_the_standbys_and_when_the_lease_lapses(
     store: Transport, tmp_path: Path
 ) -> None:

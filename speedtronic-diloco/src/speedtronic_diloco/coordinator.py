@@ -383,6 +383,7 @@ class DumbDiLoCoCoordinator:
                     self.outer,
                     self._poll_lane,
                     finished=lambda: self.outer is None and self.finished.look() is not None,
+                    wake=self.failover.wake if self.failover is not None else None,
                 )
                 if self.outer is None and self.finished.alone_now():
                     return False  # the master finished while this node waited (stop raised)

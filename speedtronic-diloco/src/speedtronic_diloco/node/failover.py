@@ -67,6 +67,15 @@ class Failover:
         with self._lock:
             self._ready = (outer, takeover, at)
 
+    def wake(self) -> None:
+        """Wake the outer thread of a take-over the training thread has not picked up yet: a
+        node waiting at its sync boundary calls this at every look, so the successor's first
+        round closes within a look of its last delta whatever ``poll_interval`` is."""
+        with self._lock:
+            ready = self._ready
+        if ready is not None:
+            ready[0].thread.wake()
+
     def step(self, outer: MasterOuterLoop | None) -> MasterOuterLoop | None:
         """At each training step: the outer loop this node runs from now on (None: a worker).
         Starts the watch (first call), a take-over's loop (and emits ``master_takeover``),

@@ -72,13 +72,15 @@ def await_round(
     outer: Any,
     poll_lane: Lane | None,
     finished: Callable[[], bool] | None = None,
+    wake: Callable[[], None] | None = None,
 ) -> bool:
     """Right after this node delivered its delta computed from global ``base``: wait for a
     newer global (the round's, or a later one when the round closed without this node) and
     install it; True when one was installed. ``outer`` is the master's outer loop (None on a
     worker, which fetches through ``poll_lane`` when it has one). ``finished()`` True (the run
     finished: :mod:`~speedtronic_diloco.node.finished`) ends the wait at once: no global will
-    come."""
+    come. A worker calls ``wake()`` at every look (a standby's take-over, whose outer thread
+    may close this round: :meth:`~speedtronic_diloco.node.failover.Failover.wake`)."""
     started = time.monotonic()
     deadline = started + 2 * ctx.config.round_timeout
     while True:
@@ -92,6 +94,8 @@ def await_round(
             if snapshot is not None and snapshot[0] > base:
                 installed = installer.install(model, *snapshot, due=due)
         else:
+            if wake is not None:
+                wake()
             if poll_lane is not None:
                 poll_lane.submit(installer.fetch_newer)  # refused while a fetch runs: fine
             else:
