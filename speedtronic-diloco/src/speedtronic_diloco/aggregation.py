@@ -74,7 +74,9 @@ HEADER_ALLOWANCE = 1 << 20
 
 @dataclass(frozen=True)
 class AggregationRules:
-    """The master's round settings (the ``distributed`` keys of the same names)."""
+    """The master's round settings (the ``distributed`` keys of the same names). A run's come
+    from :meth:`from_config`; the field defaults are the bare rules in-process callers start
+    from (async rounds, no outer warm-up, momentum on every round), not the config's defaults."""
 
     min_deltas: int | None = None
     round_timeout: float = 120.0
