@@ -12,6 +12,7 @@ import pytest
 from test_diloco_membership import NO_WAIT, FakeClock, shared, upload
 
 from speedtronic_diloco.aggregation import AggregationRules
+from speedtronic_diloco.config import DistributedConfig
 from speedtronic_diloco.lease import LeaseKeeper
 from speedtronic_diloco.master.round import warmed
 from speedtronic_diloco.master.round_policy import RoundPolicy
@@ -20,6 +21,7 @@ from speedtronic_diloco.node.finished import (
     EXIT_RUN_FINISHED,
     FinishedWatch,
     RunFinishedError,
+    finished_interval,
     run_finished,
 )
 from speedtronic_diloco.status import collect_status, summary_lines
@@ -132,3 +134,11 @@ def test_the_watch_looks_once_per_interval_and_stops_or_trains_alone(tmp_path: P
     alone = FinishedWatch(ctx, interval=30.0, monotonic=clock)  # type: ignore[arg-type]
     assert alone.alone_now() and alone.alone and alone.alone_now()
     assert [name for name, _ in ctx.events] == ["run_finished"]  # told once
+
+
+def test_a_worker_looks_whether_its_run_finished_every_ten_seconds_or_poll_interval() -> None:
+    """What docs/diloco.md says: every 10 s or ``lease_ttl``, whichever is shorter, never more
+    often than ``poll_interval`` (the default 60 s: once a minute)."""
+    assert finished_interval(DistributedConfig()) == 60.0
+    assert finished_interval(DistributedConfig(poll_interval=1.0)) == 10.0
+    assert finished_interval(DistributedConfig(poll_interval=1.0, lease_ttl=4.0)) == 4.0
