@@ -42,7 +42,9 @@ def weights() -> dict[str, torch.Tensor]:
     return cpu_state_dict(make_net().state_dict())
 
 
-def upload(store: Transport, tmp_path: Path, node: str, step: int, base: int = 0) -> None:
+def upload(
+    store: Transport, tmp_path: Path, node: str, step: int, base: int = 0, final: bool = False
+) -> None:
     generator = torch.Generator().manual_seed(hash((node, step)) % 10_000)
     delta = {
         k: 0.01 * torch.randn(v.shape, generator=generator)
@@ -50,6 +52,8 @@ def upload(store: Transport, tmp_path: Path, node: str, step: int, base: int = 0
         if v.is_floating_point()
     }
     meta = {"format": "1", "node_id": node, "local_step": step, "base_outer_step": base}
+    if final:
+        meta["final"] = "1"
     path = save_tensors(tmp_path / "outbox" / f"{node}_{step}.safetensors", delta, meta)
     store.upload_delta(node, step, path)
 
@@ -288,6 +292,59 @@ def test_sync_rounds_wait_for_the_last_rounds_nodes_however_long_an_inner_loop_t
     clock.now += 300.0
     asynchronous.saw("m")
     assert asynchronous.needed() == 1  # async: the live nodes only, as before
+
+
+def test_a_node_refused_late_is_expected_in_the_next_sync_round_however_long_it_trains(
+    tmp_path: Path,
+) -> None:
+    """w2 joins after the first round closed, and the second round times out without its
+    fresh delta, refusing its first one ``late``. w2 installs that round's global like the
+    others, so five minutes later (past the liveness window) the third round waits for it too
+    instead of closing without it (and refusing it ``late`` again)."""
+    clock = FakeClock()
+    store = shared(tmp_path)
+    loop = master(store, tmp_path, rules={"rounds": "sync", "round_timeout": 60.0}, clock=clock)
+    upload(store, tmp_path, "m", 5, base=0)
+    upload(store, tmp_path, "w1", 5, base=0)
+    first = loop.tick()
+    assert first is not None and set(first.nodes) == {"m", "w1"}
+    clock.now += 30.0
+    upload(store, tmp_path, "w2", 5, base=0)  # joined late: computed from global 0
+    assert loop.tick() is None  # nothing of the open round yet
+    clock.now += 270.0
+    upload(store, tmp_path, "m", 10, base=1)
+    upload(store, tmp_path, "w1", 10, base=1)
+    assert loop.tick() is None  # w2 (its delta pending) is live: waited for
+    clock.now += 61.0
+    second = loop.tick()
+    assert second is not None and second.reason == "timeout"
+    assert set(second.nodes) == {"m", "w1"} and second.reasons == ("late",)
+    clock.now += 300.0  # everyone's next inner loop
+    upload(store, tmp_path, "m", 15, base=2)
+    upload(store, tmp_path, "w1", 15, base=2)
+    assert loop.tick() is None  # w2 installed global 2 too: waited for
+    upload(store, tmp_path, "w2", 10, base=2)
+    third = loop.tick()
+    assert third is not None and third.reason == "quorum"
+    assert set(third.nodes) == {"m", "w1", "w2"} and not third.rejected
+
+
+def test_a_node_whose_final_delta_went_in_is_not_expected_back(tmp_path: Path) -> None:
+    """w2 ended (its final delta went into the round) but its left record never arrived: the
+    next sync round does not wait a round_timeout for it."""
+    clock = FakeClock()
+    store = shared(tmp_path)
+    loop = master(store, tmp_path, rules={"rounds": "sync", "round_timeout": 60.0}, clock=clock)
+    upload(store, tmp_path, "m", 5, base=0)
+    upload(store, tmp_path, "w1", 5, base=0)
+    upload(store, tmp_path, "w2", 5, base=0, final=True)
+    first = loop.tick()
+    assert first is not None and set(first.nodes) == {"m", "w1", "w2"}
+    clock.now += 300.0
+    upload(store, tmp_path, "m", 10, base=1)
+    upload(store, tmp_path, "w1", 10, base=1)
+    second = loop.tick()
+    assert second is not None and second.reason == "quorum"
 
 
 def test_a_successors_first_sync_round_expects_the_runs_known_nodes() -> None:

@@ -374,7 +374,11 @@ def test_a_group_nodes_sync_wait_must_fit_its_collective_timeout() -> None:
         check_group_waits(section, 600.0)
     message = str(caught.value)
     assert "distributed.round_timeout" in message and "parallel.timeout (600 s)" in message
-    assert "at most 270 s" in message and "at least 660 s" in message
+    assert "at most 180 s" in message and "at least 960 s" in message
     check_group_waits(DistributedConfig(enabled=True, repo_id="x", rounds="sync"), 600.0)
+    at_the_edge = DistributedConfig(enabled=True, repo_id="x", rounds="sync", round_timeout=180)
+    check_group_waits(at_the_edge, 600.0)
+    with pytest.raises(PluginError):
+        check_group_waits(at_the_edge, 599.0)
     asynchronous = DistributedConfig(enabled=True, repo_id="x", rounds="async", round_timeout=300)
     check_group_waits(asynchronous, 600.0)

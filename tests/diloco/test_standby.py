@@ -268,9 +268,10 @@ def test_a_master_fenced_while_it_waits_for_its_sync_round_goes_on_as_a_worker(
     trainer.join(SETTLE)
     assert not trainer.is_alive(), "the fenced master still waits for its round"
     assert not failures, failures
+    assert m1.outer is None  # a worker at once: nothing of its own unpublished state installed
     nudge(m1.model)
     m1.after_optimizer_step(m1.model, 3)
-    assert m1.outer is None  # a worker now
+    assert m1.outer is None
     assert store.read_lease().holder == "w2"
     m1.stop()
 

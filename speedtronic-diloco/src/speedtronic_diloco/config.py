@@ -194,8 +194,8 @@ class DistributedConfig(Section):
         le=1_000_000,
         help="Master: start an outer step once deltas of this many distinct nodes are pending "
         "(once this many were seen, at most the live ones: not left, heard from within "
-        "lease_ttl and 2 x round_timeout); default: `num_nodes` when set, else every live node "
-        "(1 before any is known).",
+        "lease_ttl and 2 x round_timeout, or with sync rounds waiting for the last round's "
+        "global); default: `num_nodes` when set, else every live node (1 before any is known).",
     )
     round_timeout: float = option(
         120.0,

@@ -385,6 +385,8 @@ class DumbDiLoCoCoordinator:
                     finished=lambda: self.outer is None and self.finished.look() is not None,
                     wake=self.failover.wake if self.failover is not None else None,
                 )
+                if self.failover is not None:  # fenced while it waited: a worker from here on
+                    self.outer = self.failover.step(self.outer)
                 if self.outer is None and self.finished.alone_now():
                     return False  # the master finished while this node waited (stop raised)
         install = not final and (boundary or self.config.install_at == "any")

@@ -9,7 +9,9 @@
   gone, unless the store holds a delta of it with a local step past the record's last step
   (it came back before its record was deleted).
 * A node that sends no delta for ``lease_ttl`` seconds (or 2 x ``round_timeout`` when that is
-  shorter) is gone too (:class:`~speedtronic_diloco.master.round_policy.RoundPolicy`).
+  shorter) is gone too (:class:`~speedtronic_diloco.master.round_policy.RoundPolicy`), except
+  that with ``rounds: sync`` a node waiting for the last round's global stays expected until a
+  round times out without it.
 
 ``min_deltas`` (and the sync-round close rule) count live nodes only, so the master's rounds
 continue with the nodes that are alive. The record format and its checks are in

@@ -202,22 +202,23 @@ GROUP_WAIT_MARGIN_S = 60.0
 
 
 def check_group_waits(section: DistributedConfig, collective_timeout: float) -> None:
-    """A node that is a DDP or FSDP group with ``rounds: sync``: rank 0 may wait up to 2 x
-    ``round_timeout`` at a boundary (and for the first global) while the other ranks wait in a
-    collective, which fails after ``parallel.timeout``. PluginError naming both unless that
-    wait plus :data:`GROUP_WAIT_MARGIN_S` fits."""
+    """A node that is a DDP or FSDP group with ``rounds: sync``: rank 0 may wait up to 3 x
+    ``round_timeout`` at a boundary (an upload still in flight, then 2 x for the round's
+    global; 2 x for the first global at the start) while the other ranks wait in a collective,
+    which fails after ``parallel.timeout``. PluginError naming both unless that wait plus
+    :data:`GROUP_WAIT_MARGIN_S` fits."""
     from speedtronic_diloco.round_mode import round_mode
 
     if not round_mode(section.rounds).waits_at_boundary:
         return
-    longest = 2 * section.round_timeout + GROUP_WAIT_MARGIN_S
+    longest = 3 * section.round_timeout + GROUP_WAIT_MARGIN_S
     if longest > collective_timeout:
         raise PluginError(
             f"distributed.round_timeout: {section.round_timeout:g} s is too long for a node that "
-            f"is a DDP or FSDP group: with rounds: sync its rank 0 may wait 2 x round_timeout at "
+            f"is a DDP or FSDP group: with rounds: sync its rank 0 may wait 3 x round_timeout at "
             f"a boundary while the other ranks wait in a collective, which fails after "
             f"parallel.timeout ({collective_timeout:g} s); set round_timeout to at most "
-            f"{max(0.0, (collective_timeout - GROUP_WAIT_MARGIN_S) / 2):g} s or raise "
+            f"{max(0.0, (collective_timeout - GROUP_WAIT_MARGIN_S) / 3):g} s or raise "
             f"parallel.timeout to at least {longest:g} s"
         )
 

@@ -31,8 +31,8 @@ class RoundMode:
     keeps_own_progress: ClassVar[bool] = True
     #: A delta computed from an older global than the round's is refused (``late``).
     refuses_late: ClassVar[bool] = False
-    #: The nodes of the last round are expected in the next one however long ago they were
-    #: seen (an inner loop may take longer than the liveness window).
+    #: The nodes waiting for the last round's global are expected in the next round however
+    #: long ago they were seen (an inner loop may outlast the liveness window).
     expects_last_round: ClassVar[bool] = False
 
     def needed(self, live: int, floor: int, arrived: bool, min_deltas: int | None) -> int:

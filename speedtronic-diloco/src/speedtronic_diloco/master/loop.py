@@ -232,7 +232,7 @@ class MasterOuterLoop:
                 return None
             result = self._round(abort, listing, decision, waiting=True)
             if result is not None:
-                self.policy.round_done(result.nodes)
+                self.policy.round_done(waiting_for(result))
             return result
 
     def _new_deltas(self, listing: list[DeltaInfo]) -> list[DeltaInfo]:
@@ -451,6 +451,15 @@ class MasterOuterLoop:
                 f"DumbDiLoCo master {self.node_id!r}: the outer loop stopped "
                 f"({type(failure).__name__}: {failure}); stopping the run"
             ) from failure
+
+
+def waiting_for(result: RoundResult) -> set[str]:
+    """The nodes that wait for ``result``'s global: those that went in (but for the ones whose
+    final delta it was), and those refused ``late`` (their round closed without them; they
+    install this global and come back)."""
+    late = {info.node_id for info, why in result.refusals if why.reason == "late"}
+    ended = {d.node_id for c in result.contributions for d in c.deltas if d.final}
+    return (set(result.nodes) - ended) | late
 
 
 def _decide(

@@ -33,8 +33,8 @@ class RoundPolicy:
     """When the master starts an outer step (see the module docstring).
 
     Rounds count *live* nodes: seen within ``recent_s`` seconds (default 2 x
-    ``round_timeout``; with ``rounds: sync`` also every node of the last round), not
-    :meth:`left`, last delta not rejected. ``min_deltas`` None means
+    ``round_timeout``; with ``rounds: sync`` also the nodes waiting for the last round's
+    global), not :meth:`left`, last delta not rejected. ``min_deltas`` None means
     every live node, or 1 when none is known yet; a number is what the first rounds wait for,
     then at most the live nodes. ``clock`` returns seconds (monotonic)."""
 
@@ -66,10 +66,11 @@ class RoundPolicy:
         self._since: float | None = None
         self._failing: set[str] = set()  # nodes whose last delta was rejected
         self._left: set[str] = set()  # nodes that said they ended (left records)
-        self._last_round: set[str] = set()  # expected again (when the mode says so)
+        self._expected: set[str] = set()  # expected in the next round (the mode says when)
 
     def saw(self, node_id: str) -> None:
-        """A new delta of ``node_id`` was listed now."""
+        """A delta of ``node_id`` not yet consumed by a round was listed now (the outer loop
+        says so at every listing while it is pending, so a pending delta keeps its node live)."""
         self._seen[node_id] = self.clock()
         self._ever.add(node_id)
 
@@ -82,7 +83,7 @@ class RoundPolicy:
         nodes = set(nodes)
         self._ever.update(nodes)
         if self.mode.expects_last_round:
-            self._last_round = nodes
+            self._expected = nodes
 
     def rejected(self, node_id: str) -> None:
         """``node_id``'s delta was rejected: it is not waited for, nor counted toward a
@@ -100,11 +101,11 @@ class RoundPolicy:
         self._left = set(nodes)
 
     def recent_nodes(self) -> set[str]:
-        """The live nodes: seen within ``recent_s`` (or in the last round, when the round mode
-        expects them back), not left, last delta not rejected."""
+        """The live nodes: seen within ``recent_s`` (or expected back, when the round mode
+        says so: :meth:`round_done`), not left, last delta not rejected."""
         now = self.clock()
         seen = {node for node, at in self._seen.items() if now - at <= self.recent_s}
-        return (seen | self._last_round) - self._failing - self._left
+        return (seen | self._expected) - self._failing - self._left
 
     def needed(self) -> int:
         """How many nodes a round waits for. ``min_deltas`` is what the first rounds wait for,
@@ -140,10 +141,12 @@ class RoundPolicy:
         return RoundDecision(False, "waiting", need, have, waited)
 
     def round_done(self, nodes: Iterable[str] = ()) -> None:
-        """A round of ``nodes`` consumed the pending deltas: the next wait starts with the next
-        delta. With ``rounds: sync`` the next round expects ``nodes`` back, however long their
-        inner loops take (a node seen only within ``recent_s`` would otherwise drop out of the
-        round while it trains, and the round close without it)."""
+        """A round consumed the pending deltas: the next wait starts with the next delta.
+        ``nodes`` are the ones waiting for its global (the loop passes those that went in and
+        those refused ``late``): with ``rounds: sync`` the next round expects them back however
+        long their inner loops take (a node counted only while seen within ``recent_s`` would
+        drop out of the round while it trains, and the round close without it). A node it
+        expected that did not come (the round timed out) is no longer expected."""
         self._since = None
         if self.mode.expects_last_round:
-            self._last_round = set(nodes)
+            self._expected = set(nodes)
