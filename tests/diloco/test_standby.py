@@ -276,6 +276,62 @@ def test_a_master_fenced_while_it_waits_for_its_sync_round_goes_on_as_a_worker(
     m1.stop()
 
 
+def test_a_fenced_master_never_installs_the_global_it_could_not_publish(tmp_path: Path) -> None:
+    """A failover master's round is adopted, then its publication is fenced (another master
+    took the lease meanwhile). The master, waiting at its sync boundary, must not install
+    that global: nobody else has it, and its next delta would claim it as its base."""
+    store = SharedDirectoryTransport(tmp_path / "store")
+    m1 = DumbDiLoCoCoordinator(
+        dist_config(
+            role="master",
+            node_id="m1",
+            lease_ttl=TTL,
+            failover=True,
+            poll_interval=0.05,
+            rounds="sync",
+            min_deltas=1,
+            round_timeout=3600.0,
+        ),
+        make_net(),
+        hub=store,
+        state_dir=tmp_path / "m1",
+    )
+    m1.start()
+    wait_for(lambda: store.read_global_metadata() is not None, what="m1's first global")
+    publishing, gate = threading.Event(), threading.Event()
+    publish = store.publish_global
+
+    def held(weights: Any, metadata: Any) -> Any:  # the round is adopted; its publication waits
+        publishing.set()
+        gate.wait(SETTLE)
+        return publish(weights, metadata)
+
+    store.publish_global = held  # type: ignore[method-assign]
+    failures: list[BaseException] = []
+
+    def boundary() -> None:
+        try:
+            for step in (1, 2):  # step 2 delivers; its round closes with m1 alone
+                nudge(m1.model)
+                m1.after_optimizer_step(m1.model, step)
+        except BaseException as exc:
+            failures.append(exc)
+
+    trainer = threading.Thread(target=boundary, daemon=True)
+    trainer.start()
+    assert publishing.wait(SETTLE), "the round never reached its publication"
+    time.sleep(0.5)  # the waiting master looks meanwhile (every 0.05 s)
+    now = time.time()
+    put_lease(store, Lease("w2", m1.outer.lease.epoch + 1, now + 60, now, "y"))
+    gate.set()  # the publication meets the new holder: fenced
+    trainer.join(SETTLE)
+    assert not trainer.is_alive() and not failures, failures
+    assert m1.outer is None  # a worker now
+    assert m1.ctx.state.last_global_step == 0  # the unpublished outer step 1 never installed
+    assert store.read_global_metadata().outer_step == 0
+    m1.stop()
+
+
 def test_a_take_over_while_nodes_wait_at_their_sync_boundary_closes_their_round(
     tmp_path: Path,
 ) -> None:

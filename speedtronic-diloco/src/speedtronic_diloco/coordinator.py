@@ -428,7 +428,7 @@ class DumbDiLoCoCoordinator:
         lane (async) for newer global weights. True when weights were installed now; without
         ``install`` a fetched global waits (``ready``) for the next boundary."""
         if self.outer is not None:
-            snapshot = self.outer.snapshot()
+            snapshot = self.outer.snapshot(published=self.config.failover)
             if install and snapshot is not None and snapshot[0] > self.last_global_step:
                 return self.installer.install(self.model, *snapshot, due=self._due)
             return False

@@ -185,12 +185,15 @@ class OuterStateKeeper:
         with self.lock:
             return {node: record.high for node, record in self.state.processed.nodes.items()}
 
-    def snapshot(self) -> tuple[int, TensorDict] | None:
-        """``(outer_step, global weights)`` under the lock, or None before any state exists."""
+    def snapshot(self, published: bool = False) -> tuple[int, TensorDict] | None:
+        """``(outer_step, global weights)`` under the lock, or None before any state exists
+        (and, with ``published``, while the current step is not published yet)."""
         with self.lock:
-            if self.state.global_state is None:
+            state = self.state
+            behind = published and state.published_step < state.outer_step
+            if state.global_state is None or behind:
                 return None
-            return self.state.outer_step, self.state.global_state
+            return state.outer_step, state.global_state
 
     def bootstrap(self, weights: TensorDict) -> None:
         """Start from ``weights`` at outer step 0 (nothing local, nothing remote)."""

@@ -146,9 +146,9 @@ class MasterOuterLoop:
         """Why the loop stopped publishing (a bad candidate), or None."""
         return self.keeper.halted
 
-    def snapshot(self) -> tuple[int, TensorDict] | None:
-        """``(outer_step, global weights)`` under the lock, or None before any state exists."""
-        return self.keeper.snapshot()
+    def snapshot(self, published: bool = False) -> tuple[int, TensorDict] | None:
+        """The keeper's snapshot (``published``: once the store has the current step)."""
+        return self.keeper.snapshot(published)
 
     def state_dict(self) -> dict[str, Any]:
         """The outer state for trainer checkpoints (:meth:`OuterStateKeeper.state_dict`)."""

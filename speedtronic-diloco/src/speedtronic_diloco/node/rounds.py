@@ -90,7 +90,7 @@ def await_round(
                 return False  # fenced: the next step goes on as a worker (node.failover)
             outer.raise_if_failed()  # a dead outer thread stops the run, loudly
             outer.thread.wake()  # the round may be complete now: look at once, not in poll_interval
-            snapshot = outer.snapshot()
+            snapshot = outer.snapshot(published=ctx.config.failover)  # never a fenced global
             if snapshot is not None and snapshot[0] > base:
                 installed = installer.install(model, *snapshot, due=due)
         else:
