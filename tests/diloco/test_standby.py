@@ -226,13 +226,11 @@ def test_a_fenced_master_with_failover_goes_on_as_a_worker(
     m1.stop()
 
 
-def test_a_master_fenced_while_it_waits_for_its_sync_round_goes_on_as_a_worker(
-    tmp_path: Path,
-) -> None:
-    """A sync master waits at its boundary for a round that needs a second node; another
-    master takes the lease meanwhile. The wait ends (no OuterLoopStopped) and the node trains
-    on as a worker."""
-    store = SharedDirectoryTransport(tmp_path / "store")
+def sync_failover_master(
+    store: Transport, tmp_path: Path, min_deltas: int
+) -> DumbDiLoCoCoordinator:
+    """A started sync master ``m1`` with failover whose rounds never time out (quick polls),
+    once its first global is in ``store``."""
     m1 = DumbDiLoCoCoordinator(
         dist_config(
             role="master",
@@ -241,7 +239,7 @@ def test_a_master_fenced_while_it_waits_for_its_sync_round_goes_on_as_a_worker(
             failover=True,
             poll_interval=0.05,
             rounds="sync",
-            min_deltas=2,
+            min_deltas=min_deltas,
             round_timeout=3600.0,
         ),
         make_net(),
@@ -250,18 +248,36 @@ def test_a_master_fenced_while_it_waits_for_its_sync_round_goes_on_as_a_worker(
     )
     m1.start()
     wait_for(lambda: store.read_global_metadata() is not None, what="m1's first global")
-    failures: list[BaseException] = []
+    return m1
+
+
+def at_boundary(node: DumbDiLoCoCoordinator, failures: list[BaseException]) -> threading.Thread:
+    """Steps 1 and 2 of ``node`` in a started thread (inner_steps 2: step 2 delivers, then
+    waits for its round); what they raise goes to ``failures``."""
 
     def boundary() -> None:
         try:
-            for step in (1, 2):  # inner_steps 2: step 2 delivers, then waits for the round
-                nudge(m1.model)
-                m1.after_optimizer_step(m1.model, step)
+            for step in (1, 2):
+                nudge(node.model)
+                node.after_optimizer_step(node.model, step)
         except BaseException as exc:
             failures.append(exc)
 
-    trainer = threading.Thread(target=boundary, daemon=True)
-    trainer.start()
+    thread = threading.Thread(target=boundary, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_master_fenced_while_it_waits_for_its_sync_round_goes_on_as_a_worker(
+    tmp_path: Path,
+) -> None:
+    """A sync master waits at its boundary for a round that needs a second node; another
+    master takes the lease meanwhile. The wait ends (no OuterLoopStopped) and the node trains
+    on as a worker."""
+    store = SharedDirectoryTransport(tmp_path / "store")
+    m1 = sync_failover_master(store, tmp_path, min_deltas=2)
+    failures: list[BaseException] = []
+    trainer = at_boundary(m1, failures)
     wait_for(lambda: bool(store.list_deltas()), what="m1's delta")
     now = time.time()
     put_lease(store, Lease("w2", m1.outer.lease.epoch + 1, now + 60, now, "y"))
@@ -281,23 +297,7 @@ def test_a_fenced_master_never_installs_the_global_it_could_not_publish(tmp_path
     took the lease meanwhile). The master, waiting at its sync boundary, must not install
     that global: nobody else has it, and its next delta would claim it as its base."""
     store = SharedDirectoryTransport(tmp_path / "store")
-    m1 = DumbDiLoCoCoordinator(
-        dist_config(
-            role="master",
-            node_id="m1",
-            lease_ttl=TTL,
-            failover=True,
-            poll_interval=0.05,
-            rounds="sync",
-            min_deltas=1,
-            round_timeout=3600.0,
-        ),
-        make_net(),
-        hub=store,
-        state_dir=tmp_path / "m1",
-    )
-    m1.start()
-    wait_for(lambda: store.read_global_metadata() is not None, what="m1's first global")
+    m1 = sync_failover_master(store, tmp_path, min_deltas=1)
     publishing, gate = threading.Event(), threading.Event()
     publish = store.publish_global
 
@@ -308,17 +308,7 @@ def test_a_fenced_master_never_installs_the_global_it_could_not_publish(tmp_path
 
     store.publish_global = held  # type: ignore[method-assign]
     failures: list[BaseException] = []
-
-    def boundary() -> None:
-        try:
-            for step in (1, 2):  # step 2 delivers; its round closes with m1 alone
-                nudge(m1.model)
-                m1.after_optimizer_step(m1.model, step)
-        except BaseException as exc:
-            failures.append(exc)
-
-    trainer = threading.Thread(target=boundary, daemon=True)
-    trainer.start()
+    trainer = at_boundary(m1, failures)  # step 2's round closes with m1 alone
     assert publishing.wait(SETTLE), "the round never reached its publication"
     time.sleep(0.5)  # the waiting master looks meanwhile (every 0.05 s)
     now = time.time()
@@ -361,19 +351,9 @@ def test_a_take_over_while_nodes_wait_at_their_sync_boundary_closes_their_round(
         dist_config(node_id="w2", **slow), make_net(), hub=store, state_dir=tmp_path / "w2"
     )
     failures: list[BaseException] = []
-
-    def boundary(node: DumbDiLoCoCoordinator) -> None:
-        try:
-            for step in (1, 2):  # inner_steps 2: step 2 delivers, then waits for the round
-                nudge(node.model)
-                node.after_optimizer_step(node.model, step)
-        except BaseException as exc:
-            failures.append(exc)
-
     w1.start()
     w2.start()
-    first = threading.Thread(target=boundary, args=(w1,), daemon=True)
-    first.start()
+    first = at_boundary(w1, failures)
     wait_for(lambda: any(i.node_id == "w1" for i in store.list_deltas()), what="w1's delta")
     assert w1.failover is not None
     won = None
@@ -383,8 +363,7 @@ def test_a_take_over_while_nodes_wait_at_their_sync_boundary_closes_their_round(
         won = w1.failover.standby.check()
         time.sleep(0.05)
     w1.failover._won(won)  # what the watch thread does at the poll that wins
-    second = threading.Thread(target=boundary, args=(w2,), daemon=True)
-    second.start()
+    second = at_boundary(w2, failures)
     first.join(SETTLE)
     second.join(SETTLE)
     assert not first.is_alive() and not second.is_alive(), "the round never closed"
