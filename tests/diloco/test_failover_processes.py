@@ -34,6 +34,25 @@ def included(event: dict) -> list[tuple[str, int]]:
     return [(node, int(step)) for node, step in items]
 
 
+def wait_stopped(pid: int, deadline: float) -> None:
+    """Until every thread of ``pid`` is stopped: a SIGSTOP is delivered asynchronously, and a
+    thread still running (on a loaded machine) could take the lock right after the probe."""
+    tasks = Path(f"/proc/{pid}/task")
+    if not tasks.is_dir():  # no procfs: the signal's delivery cannot be watched
+        return
+    while True:
+        states = []
+        for stat in tasks.glob("*/stat"):
+            try:  # "pid (comm) S ...": the state follows the last ")"
+                states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+            except (OSError, IndexError):
+                continue  # a thread that just ended
+        if states and all(state in ("T", "t") for state in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} never stopped: {states}"
+        time.sleep(0.01)
+
+
 def freeze_outside_the_lock(master: Master, store: Store) -> None:
     """SIGSTOP ``master`` at a moment it does not hold a shared directory's lock (a process
     frozen inside it blocks every writer until it resumes: the lock's documented limit)."""
@@ -41,6 +60,7 @@ def freeze_outside_the_lock(master: Master, store: Store) -> None:
     if store.kind != "shared_dir":
         return
     deadline = time.monotonic() + 60
+    wait_stopped(master.process.pid, deadline)
     with open(Path(store.repo_id) / LOCK_FILE, "a+b") as handle:
         while True:
             try:
@@ -50,6 +70,7 @@ def freeze_outside_the_lock(master: Master, store: Store) -> None:
                 master.process.send_signal(signal.SIGCONT)
                 time.sleep(0.02)
                 master.process.send_signal(signal.SIGSTOP)
+                wait_stopped(master.process.pid, deadline)
                 continue
             fcntl.lockf(handle.fileno(), fcntl.LOCK_UN)
             return
